@@ -1,0 +1,214 @@
+"""Decoding: one query token against a long KV cache (batch 1..32, KV 4k..128k, d 128).
+
+Decoding is bandwidth-bound: every step reads the whole K/V cache once. The figure of
+merit is the achieved bandwidth of that read, GB/s = bytes(K) + bytes(V) / time, next to
+the copy bandwidth of the same card measured in the same run (a large device-to-device
+copy, counting read + write bytes), i.e. what a kernel that only streams memory gets.
+
+    python benchmarks/bench_decode.py --quick --out results/decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from types import SimpleNamespace
+
+import torch
+
+import bench_common as bc
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bc.add_common_args(p, default_out="benchmarks/results/decode")
+    bc.add_timing_args(p)
+    p.add_argument("--batches", type=int, nargs="+", default=None)
+    p.add_argument("--kv-lens", type=int, nargs="+", default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--nheads", type=int, default=None, help="query heads (16)")
+    p.add_argument("--kv-heads", type=int, nargs="+", default=None,
+                   help="K/V heads; fewer than --nheads is GQA (16 and 4)")
+    p.add_argument("--impls", nargs="+", default=bc.ALL_KERNEL_IMPLS)
+    p.add_argument("--copy-mib", type=int, default=None, help="size of the copy-bandwidth buffer")
+    return p.parse_args(argv)
+
+
+def apply_defaults(args, device):
+    cpu = device.type == "cpu"
+    if args.batches is None:
+        args.batches = [1, 2] if cpu else ([1, 8, 32] if args.quick else [1, 4, 8, 16, 32])
+    if args.kv_lens is None:
+        args.kv_lens = [256, 1024] if cpu else (
+            [4096, 32768, 131072] if args.quick else [4096, 16384, 32768, 65536, 131072])
+    args.head_dim = args.head_dim or (32 if cpu else 128)
+    args.nheads = args.nheads or (4 if cpu else 16)
+    args.kv_heads = args.kv_heads or ([4, 2] if cpu else [16, 4])
+    args.copy_mib = args.copy_mib or (64 if cpu else 2048)
+    if "ours" not in args.impls:
+        args.impls = ["ours"] + list(args.impls)
+    return args
+
+
+def copy_bandwidth_gbps(device, mib, tcfg):
+    """Device-to-device copy of `mib` MiB, counting the bytes read and the bytes written."""
+    n = mib * 2 ** 20
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    timing = bc.measure(lambda _: dst.copy_(src), [None], device, tcfg)
+    return 2 * n / (timing.median_ms * 1e-3) / 1e9
+
+
+def make_sets(impl, shape, device, dtype, gen):
+    return bc.make_input_sets(impl.layout, shape.batch, 1, shape.kv_len, shape.nheads,
+                              shape.nheads_kv, shape.head_dim, dtype, device, gen, with_dout=False)
+
+
+def time_decode(impl, sets, shape, device, tcfg):
+    scale = shape.scale
+    with torch.no_grad(), impl.context():
+        if impl.is_ours:
+            return bc.measure(lambda s: bc.ours_forward_op(s.q, s.k, s.v, scale, False), sets,
+                              device, tcfg)
+        return bc.measure(lambda s: impl.forward(s.q, s.k, s.v, False, scale), sets, device, tcfg)
+
+
+def plot(rows, copy_gbps, out_dir):
+    plt = bc.matplotlib_pyplot()
+    kv_heads = sorted({r["nheads_kv"] for r in rows}, reverse=True)
+    batches = sorted({r["batch"] for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, axes = plt.subplots(len(kv_heads), len(batches), squeeze=False,
+                             figsize=(3.8 * len(batches), 3.2 * len(kv_heads)))
+    for i, hkv in enumerate(kv_heads):
+        for j, b in enumerate(batches):
+            ax = axes[i][j]
+            for name in impls:
+                pts = sorted((r["kv_len"], r["kv_gbps"]) for r in rows
+                             if r["impl"] == name and r["batch"] == b and r["nheads_kv"] == hkv
+                             and r["status"] == bc.STATUS_OK)
+                bad = sorted({r["status"] for r in rows if r["impl"] == name and r["batch"] == b
+                              and r["nheads_kv"] == hkv and r["status"] != bc.STATUS_OK})
+                label = name + (f" ({'/'.join(bad)} at {'every' if not pts else 'some'} KV)" if bad else "")
+                style = dict(lw=2.5, color="black") if name == "ours" else dict(lw=1.2)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label,
+                        **style)
+            ax.axhline(copy_gbps, ls="--", color="gray", lw=1, label="D2D copy")
+            if any(r["status"] == bc.STATUS_OK for r in rows):   # log scale needs data
+                ax.set_xscale("log", base=2)
+                ax.xaxis.set_major_formatter(bc.plain_int_formatter())
+            ax.set_title(f"batch {b}, kv heads {hkv}", fontsize=9)
+            ax.set_xlabel("KV length")
+            ax.set_ylabel("GB/s of K/V read")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.suptitle("Decoding: one query token, bandwidth of the K/V read", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / "decode_bandwidth.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = bc.resolve_device(args.device)
+    args = apply_defaults(args, device)
+    bc.import_ours(device)
+    dtype = bc.dtype_from_name(args.dtype)
+    out_dir = bc.ensure_out_dir(args.out)
+    impls = bc.build_impls(args.impls)
+    tcfg = bc.timing_config_from_args(args, device)
+    gen = bc.make_generator(device, args.seed)
+    deadline = bc.Deadline(args.time_limit_s)
+
+    copy_gbps = copy_bandwidth_gbps(device, args.copy_mib, tcfg)
+    bc.free_memory(device)
+    print(f"device-to-device copy bandwidth (read + write): {copy_gbps:.0f} GB/s", flush=True)
+
+    shapes = [SimpleNamespace(batch=b, kv_len=n, nheads=args.nheads, nheads_kv=hkv,
+                              head_dim=args.head_dim, scale=1.0 / math.sqrt(args.head_dim))
+              for hkv in args.kv_heads for b in args.batches for n in args.kv_lens]
+    rows, checks = [], []
+
+    def save(final=False, **extra):
+        doc = bc.result_document("decode", args, device, rows, checks=checks,
+                                 copy_bandwidth_gbps=copy_gbps, complete=final, **extra)
+        bc.write_json(doc, out_dir / "decode.json")
+        bc.write_csv(rows, out_dir / "decode.csv")
+
+    for shape in bc.progress(shapes, desc="decode shapes"):
+        kv_bytes = 2 * shape.batch * shape.kv_len * shape.nheads_kv * shape.head_dim * \
+            torch.empty((), dtype=dtype).element_size()
+        base = dict(dtype=args.dtype, batch=shape.batch, kv_len=shape.kv_len, nheads=shape.nheads,
+                    nheads_kv=shape.nheads_kv, head_dim=shape.head_dim, kv_bytes=kv_bytes)
+        if deadline.expired():
+            rows += [dict(base, impl=i.name, status=bc.STATUS_SKIPPED, reason="time limit")
+                     for i in impls]
+            continue
+        ours_status, ours_reason = bc.STATUS_OK, ""
+        for impl in impls:
+            row = dict(base, impl=impl.name, status=bc.STATUS_OK, reason="", time_us=None,
+                       kv_gbps=None, fraction_of_copy_bw=None)
+            try:
+                sets = make_sets(impl, shape, device, dtype, gen)
+                if impl.is_ours:
+                    # A broken kernel must not post a speed: check on the first set.
+                    check = bc.check_ours_against_sdpa(sets[0].q, sets[0].k, sets[0].v, False,
+                                                       shape.scale, check_backward=False,
+                                                       heads=shape.nheads_kv, generator=gen)
+                    checks.append(dict(base, passed=check.passed,
+                                       max_abs_diff_vs_sdpa=check.max_abs_diff_vs_sdpa,
+                                       ours_err_vs_fp32=check.ours_err_vs_fp32,
+                                       sdpa_err_vs_fp32=check.sdpa_err_vs_fp32))
+                    print(f"check b={shape.batch} kv={shape.kv_len} hkv={shape.nheads_kv}: ours "
+                          f"max|diff| vs SDPA {check.max_abs_diff_vs_sdpa:.2e} ({check.detail}) "
+                          f"{'ok' if check.passed else 'FAILED'}", flush=True)
+                    if not check.passed:
+                        ours_status, ours_reason = bc.STATUS_WRONG, check.detail
+                        raise _NotTimed()
+                timing = time_decode(impl, sets, shape, device, tcfg)
+                gbps = kv_bytes / (timing.median_ms * 1e-3) / 1e9
+                row.update(time_us=timing.median_ms * 1e3, reps=timing.reps,
+                           rotation_sets=timing.rotation_sets, kv_gbps=gbps,
+                           fraction_of_copy_bw=gbps / copy_gbps)
+            except _NotTimed:
+                row.update(status=ours_status, reason=ours_reason)
+            except bc.RUN_FAILURES as exc:
+                row.update(zip(("status", "reason"), bc.classify_failure(exc)))
+            sets = None
+            bc.free_memory(device)
+            rows.append(row)
+        save()
+
+    table = []
+    for shape_key in dict.fromkeys((r["nheads_kv"], r["batch"], r["kv_len"]) for r in rows):
+        hkv, b, n = shape_key
+        line = {"kv heads": hkv, "batch": b, "KV": n}
+        group = {r["impl"]: r for r in rows if (r["nheads_kv"], r["batch"], r["kv_len"]) == shape_key}
+        for name, r in group.items():
+            line[f"{name} GB/s"] = r["kv_gbps"] if r["status"] == bc.STATUS_OK else r["status"]
+        ours = group.get("ours")
+        if ours and ours["status"] == bc.STATUS_OK:
+            line["ours % of copy"] = f"{100 * ours['fraction_of_copy_bw']:.0f}%"
+        table.append(line)
+    print(bc.format_table(table, title=f"\nDecoding, d={args.head_dim}, {args.nheads} query heads; "
+                          f"copy bandwidth {copy_gbps:.0f} GB/s"))
+    plot_path = plot(rows, copy_gbps, out_dir)
+    ok = [r for r in rows if r["impl"] == "ours" and r["status"] == bc.STATUS_OK]
+    summary = {"copy_bandwidth_gbps": copy_gbps,
+               "ours_max_kv_gbps": max((r["kv_gbps"] for r in ok), default=None),
+               "ours_max_fraction_of_copy_bw": max((r["fraction_of_copy_bw"] for r in ok),
+                                                   default=None)}
+    save(final=True, summary=summary, plots=[plot_path])
+    print(f"wrote {out_dir}/decode.csv, .json, {plot_path}")
+    return bc.ours_exit_code(rows, checks)
+
+
+class _NotTimed(Exception):
+    """Ours failed its check: recorded as WRONG, no time posted."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

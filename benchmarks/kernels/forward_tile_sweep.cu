@@ -1,0 +1,182 @@
+// Standalone sweep of forward tile shapes: builds the forward kernel for several
+// (kBlockM, kBlockN, kWarps) at each head-dim width, checks each against a naive
+// fp32 reference kernel, and times it at the benchmark convention (bf16,
+// batch * seqlen = 16384, nheads = 2048 / d). Used to choose ForwardTilePlan in
+// csrc/cuda/forward_launch.cuh; torch-free so it builds in seconds.
+//
+// Build (on the GPU machine, or here and carry the binary):
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -I csrc -I csrc/cuda \
+//        benchmarks/kernels/forward_tile_sweep.cu -o forward_tile_sweep
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "forward_launch.cuh"
+
+// The candidates, as a list of ForwardTileShape<W, kBlockM, kBlockN, kWarps>;
+// override with -DFLASHATTN_SWEEP_SHAPES=... to try others.
+#ifndef FLASHATTN_SWEEP_SHAPES
+#define FLASHATTN_SWEEP_SHAPES                                                          \
+  ForwardTileShape<64, 128, 64, 4>, ForwardTileShape<64, 128, 128, 8>,                  \
+      ForwardTileShape<64, 64, 128, 4>, ForwardTileShape<128, 128, 64, 4>,              \
+      ForwardTileShape<128, 128, 32, 4>, ForwardTileShape<128, 64, 64, 4>,              \
+      ForwardTileShape<128, 128, 64, 8>, ForwardTileShape<256, 128, 64, 8>,             \
+      ForwardTileShape<256, 128, 32, 8>, ForwardTileShape<256, 64, 32, 4>
+#endif
+
+using namespace flashattn;
+using bf16 = __nv_bfloat16;
+
+#define CUDA_OK(call)                                                                  \
+  do {                                                                                 \
+    cudaError_t e_ = (call);                                                           \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+// One thread per query row: the plain definition, with the library's mask.
+__global__ void reference_forward(AttentionFwdParams p, float* out) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t rows = int64_t(p.batch) * p.nheads_q * p.seqlen_q;
+  if (row >= rows) return;
+  const int i = row % p.seqlen_q, h = (row / p.seqlen_q) % p.nheads_q, b = row / (int64_t(p.seqlen_q) * p.nheads_q);
+  const int hk = h / (p.nheads_q / p.nheads_kv);
+  const bf16* q = static_cast<const bf16*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head + i * p.q_strides.row;
+  const bf16* k = static_cast<const bf16*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
+  const bf16* v = static_cast<const bf16*>(p.v) + b * p.v_strides.batch + hk * p.v_strides.head;
+  float acc[256];
+  for (int d = 0; d < p.head_dim; ++d) acc[d] = 0.f;
+  float m = -INFINITY, l = 0.f;
+  for (int j = 0; j < p.seqlen_k; ++j) {
+    if (!key_visible(i, j, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right)) continue;
+    float s = 0.f;
+    for (int d = 0; d < p.head_dim; ++d) s += __bfloat162float(q[d]) * __bfloat162float(k[j * p.k_strides.row + d]);
+    s *= p.softmax_scale;
+    const float m_new = fmaxf(m, s), c = expf(m - m_new), e = expf(s - m_new);
+    l = l * c + e;
+    for (int d = 0; d < p.head_dim; ++d) acc[d] = acc[d] * c + e * __bfloat162float(v[j * p.v_strides.row + d]);
+    m = m_new;
+  }
+  float* o = out + ((int64_t(b) * p.seqlen_q + i) * p.nheads_q + h) * p.head_dim;  // (b, i, h, d), like the kernel
+  for (int d = 0; d < p.head_dim; ++d) o[d] = l > 0 ? acc[d] / l : 0.f;
+}
+
+struct Problem {
+  int batch, nheads, seqlen, head_dim;
+  bool causal;
+  bf16 *q, *k, *v, *out;
+  float* lse;
+  AttentionFwdParams params() const {
+    AttentionFwdParams p{};
+    p.q = q; p.k = k; p.v = v; p.out = out; p.lse = lse;
+    const TensorStrides s{int64_t(seqlen) * nheads * head_dim, int64_t(nheads) * head_dim, head_dim};
+    p.q_strides = p.k_strides = p.v_strides = p.out_strides = s;
+    p.batch = batch; p.nheads_q = p.nheads_kv = nheads; p.seqlen_q = p.seqlen_k = seqlen;
+    p.head_dim = head_dim;
+    p.softmax_scale = 1.f / std::sqrt(float(head_dim));
+    p.softmax_scale_log2 = p.softmax_scale * float(M_LOG2E);
+    p.window_left = -1;
+    p.window_right = causal ? 0 : -1;
+    p.is_bf16 = true;
+    return p;
+  }
+};
+
+Problem make_problem(int batch, int nheads, int seqlen, int head_dim, bool causal, std::mt19937& rng) {
+  Problem pr{batch, nheads, seqlen, head_dim, causal};
+  const size_t n = size_t(batch) * seqlen * nheads * head_dim;
+  std::vector<bf16> host(n);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  bf16** bufs[3] = {&pr.q, &pr.k, &pr.v};
+  for (bf16** b : bufs) {
+    for (auto& x : host) x = __float2bfloat16(dist(rng));
+    CUDA_OK(cudaMalloc(b, n * sizeof(bf16)));
+    CUDA_OK(cudaMemcpy(*b, host.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
+  }
+  CUDA_OK(cudaMalloc(&pr.out, n * sizeof(bf16)));
+  CUDA_OK(cudaMalloc(&pr.lse, size_t(batch) * nheads * seqlen * sizeof(float)));
+  return pr;
+}
+
+void free_problem(Problem& p) {
+  cudaFree(p.q); cudaFree(p.k); cudaFree(p.v); cudaFree(p.out); cudaFree(p.lse);
+}
+
+template <typename Shape>
+float max_error_vs_reference(std::mt19937& rng, bool causal) {
+  Problem pr = make_problem(2, 3, 333, Shape::kHeadDim - 8, causal, rng);
+  const AttentionFwdParams p = pr.params();
+  const size_t n = size_t(pr.batch) * pr.seqlen * pr.nheads * pr.head_dim;
+  CUDA_OK(cudaMemset(pr.out, 0xff, n * sizeof(bf16)));  // NaN poison
+  CUDA_OK((launch_forward_with_shape<bf16, Shape>(p, 0)));
+  float* ref;
+  CUDA_OK(cudaMalloc(&ref, n * sizeof(float)));
+  const int rows = pr.batch * pr.nheads * pr.seqlen;
+  reference_forward<<<(rows + 127) / 128, 128>>>(p, ref);
+  CUDA_OK(cudaGetLastError());
+  std::vector<bf16> got(n);
+  std::vector<float> want(n);
+  CUDA_OK(cudaMemcpy(got.data(), pr.out, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(want.data(), ref, n * sizeof(float), cudaMemcpyDeviceToHost));
+  float err = 0.f;
+  for (size_t i = 0; i < n; ++i) {
+    const float e = std::fabs(__bfloat162float(got[i]) - want[i]);
+    err = std::isnan(e) ? INFINITY : std::max(err, e);
+  }
+  cudaFree(ref);
+  free_problem(pr);
+  return err;
+}
+
+template <typename Shape>
+void sweep_shape(std::mt19937& rng) {
+  const float err = std::max(max_error_vs_reference<Shape>(rng, false), max_error_vs_reference<Shape>(rng, true));
+  for (bool causal : {false, true}) {
+    for (int seqlen : {2048, 8192}) {
+      const int d = Shape::kHeadDim, nheads = 2048 / d, batch = 16384 / seqlen;
+      Problem pr = make_problem(batch, nheads, seqlen, d, causal, rng);
+      const AttentionFwdParams p = pr.params();
+      cudaEvent_t start, stop;
+      CUDA_OK(cudaEventCreate(&start));
+      CUDA_OK(cudaEventCreate(&stop));
+      std::vector<float> ms;
+      for (int it = 0; it < 13; ++it) {
+        CUDA_OK(cudaEventRecord(start));
+        CUDA_OK((launch_forward_with_shape<bf16, Shape>(p, 0)));
+        CUDA_OK(cudaEventRecord(stop));
+        CUDA_OK(cudaEventSynchronize(stop));
+        float t;
+        CUDA_OK(cudaEventElapsedTime(&t, start, stop));
+        if (it >= 3) ms.push_back(t);
+      }
+      std::sort(ms.begin(), ms.end());
+      const double t = ms[ms.size() / 2] * 1e-3;
+      const double flops = 4.0 * batch * nheads * double(seqlen) * seqlen * d / (causal ? 2 : 1);
+      std::printf("fwd d=%3d M=%3d N=%3d warps=%d ks_unroll=%d smem=%6d causal=%d seqlen=%5d  %7.1f TFLOP/s  max_err=%.3g\n",
+                  d, Shape::kBlockM, Shape::kBlockN, Shape::kWarps, Shape::kScoreKUnroll, Shape::kSmemBytes, causal, seqlen,
+                  flops / t * 1e-12, err);
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+      free_problem(pr);
+    }
+  }
+}
+
+template <typename... Shapes>
+void sweep(std::mt19937& rng) {
+  (sweep_shape<Shapes>(rng), ...);
+}
+
+int main() {
+  std::mt19937 rng(0);
+  sweep<FLASHATTN_SWEEP_SHAPES>(rng);
+  return 0;
+}

@@ -1,0 +1,85 @@
+// Plain description of one attention call, shared by every backend.
+// No torch types here: the CUDA kernels include this header and stay
+// torch-free, so they compile fast and can be built and tested alone.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FLASHATTN_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FLASHATTN_HOST_DEVICE inline
+#endif
+
+namespace flashattn {
+
+// Layout of q/k/v/out/dout/dq/dk/dv is (batch, seqlen, nheads, head_dim) with a
+// contiguous last dimension; every other stride is carried as given (elements).
+struct TensorStrides {
+  int64_t batch;
+  int64_t row;
+  int64_t head;
+};
+
+struct AttentionFwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;  // (batch, nheads_q, seqlen_q), contiguous
+
+  TensorStrides q_strides, k_strides, v_strides, out_strides;
+
+  int batch;
+  int nheads_q;
+  int nheads_kv;  // nheads_q % nheads_kv == 0 (MQA/GQA)
+  int seqlen_q;
+  int seqlen_k;
+  int head_dim;  // multiple of 8, <= 256
+
+  float softmax_scale;
+  float softmax_scale_log2;  // softmax_scale * log2(e)
+
+  // Key j is visible from query i iff
+  //   i + (seqlen_k - seqlen_q) - window_left <= j <= i + (seqlen_k - seqlen_q) + window_right
+  // (bottom-right alignment); a negative bound means unbounded on that side.
+  // Causal is window_right == 0.
+  int window_left;
+  int window_right;
+
+  float softcap;               // 0: off; else s = softcap * tanh(s / softcap)
+  const float* alibi_slopes;   // nullptr: off; else slope per (batch, head)
+  int64_t alibi_batch_stride;  // 0 when the slopes are shared by the batch
+
+  bool is_bf16;  // else fp16 (CUDA); the CPU backend dispatches on its own
+};
+
+struct AttentionBwdParams : AttentionFwdParams {
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  TensorStrides dout_strides, dq_strides, dk_strides, dv_strides;
+
+  // fp32 workspaces, owned by the caller, laid out by the backward kernel's launch layer.
+  float* dq_accum;   // (batch, nheads_q, seqlen_q_rounded, head_dim_rounded), zeroed by the preprocess
+  float* softmax_d;  // (batch, nheads_q, seqlen_q_rounded): D = rowsum(dout * out)
+  float* lse_log2;   // (batch, nheads_q, seqlen_q_rounded): lse * log2(e), +inf for rows that see no key
+  int* dq_semaphore; // deterministic mode: one turn counter per (batch, head, query block)
+
+  int seqlen_q_rounded;
+  int head_dim_rounded;
+  bool deterministic;
+};
+
+// Whether key column j is visible from query row i (the one definition of the mask).
+FLASHATTN_HOST_DEVICE bool key_visible(int i, int j, int seqlen_q, int seqlen_k, int window_left,
+                        int window_right) {
+  const int diag = i + seqlen_k - seqlen_q;
+  if (j < 0 || j >= seqlen_k) return false;
+  if (window_left >= 0 && j < diag - window_left) return false;
+  if (window_right >= 0 && j > diag + window_right) return false;
+  return true;
+}
+
+}  // namespace flashattn

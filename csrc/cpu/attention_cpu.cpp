@@ -1,0 +1,579 @@
+// CPU backend of flashattn_ext: exact FlashAttention forward and backward,
+// registered for the CPU dispatch key.
+//
+// Algorithm (FlashAttention-2, tiled so that no seqlen_q x seqlen_k matrix ever
+// exists; extra memory is a few block x block and block x head_dim buffers per
+// thread, plus two fp32/fp64 values per query row in the backward):
+//   forward   One task per (batch, head, query block). It walks only the key
+//             blocks that hold a visible key, computes S = Q K^T with BLAS,
+//             keeps a running row max m and row sum l (online softmax),
+//             rescales its accumulator and adds P V; out = acc / l and
+//             lse = m + log l. The element mask is applied only to blocks that
+//             straddle a window boundary.
+//   backward  Recomputes P = exp(S - lse) block by block, in two passes whose
+//             tasks each own the output rows they write, so there are no races
+//             and the result does not depend on the thread count or schedule:
+//               1. per (batch, head, query block): D = rowsum(dout * out), dQ;
+//               2. per (batch, kv head, key block): dK and dV, summed over the
+//                  kv head's query-head group (GQA) and its query blocks.
+//             Pass 2 recomputes S and dP that pass 1 already had (7 block
+//             matmuls instead of 5): that is the price of determinism without
+//             atomics or per-thread seqlen-sized dQ partials.
+// Tasks go to at::parallel_for workers through a shared counter, one at a
+// time, so the uneven tasks of causal and windowed masks balance.
+//
+// Precision: fp32, bf16 and fp16 compute in fp32, fp64 in fp64. The schema
+// stores lse in fp32, which would cost fp64 gradients ~5e-7 relative error, so
+// the fp64 backward recomputes each row's lse in fp64 (one extra S per block in
+// pass 1) and ignores the lse it is given.
+//
+// Scores are kept in log2 units (log2(e) * score, as FlashAttention does) so
+// that the softmax runs on exp2, which ATen's vectorised kernels compute about
+// 3x faster than exp. Every step of a block pair is an ATen call (BLAS
+// matmuls, vectorised exp2 and tanh) with a fixed dispatch cost of a few
+// microseconds, so blocks must be large enough for the O(block^2 * head_dim)
+// work to dominate, and small enough for the working set to stay in L2; see
+// kBlockQ/kBlockK.
+#include <ATen/ATen.h>
+#include <ATen/Config.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include "attention_api.h"
+#include "attention_ops.h"
+
+// at::parallel_for is a header template: with an OpenMP ATen it only runs in
+// parallel when this file itself is compiled with OpenMP, and runs serially
+// (still correct) otherwise. Said at build time rather than found in a profile.
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#pragma message("flashattn_ext: csrc/cpu/attention_cpu.cpp is built without OpenMP (-fopenmp): the CPU kernels will run on one thread")
+#endif
+
+namespace flashattn {
+namespace {
+
+// 128 x 128 score blocks: each block pair costs ~10 ATen calls of fixed
+// overhead, which 128 x 128 x head_dim matmuls amortise (64 x 64 blocks took
+// ~1.5x the CPU time at seqlen 4096, d 64), while S, P and dP (64 KiB each in
+// fp32) and the 128 x head_dim row blocks stay in a core's L2. 128 x 256,
+// 256 x 128 and 256 x 256 measured within noise (+-10%) of 128 x 128, with 2-4x
+// the working set and fewer tasks to spread over the threads on short sequences.
+constexpr int64_t kBlockQ = 128;
+constexpr int64_t kBlockK = 128;
+
+bool cpu_dtype_supported(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
+         dtype == at::kHalf;
+}
+
+constexpr BackendFeatures kCpuBackend{"CPU", /*softcap=*/true, /*alibi=*/true, /*dropout=*/false,
+                                      cpu_dtype_supported};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// One call's geometry, mask and score transform, in the accumulation type acc_t.
+template <typename acc_t>
+struct Problem {
+  int64_t batch, nheads_q, nheads_kv, seqlen_q, seqlen_k, head_dim;
+  int64_t window_left, window_right;  // as effective_window: < 0 is unbounded
+  // Scores in log2 units are S = qk_scale * Q K^T without the cap, and
+  // S = tanh_scale * tanh(qk_scale * Q K^T) with it.
+  acc_t qk_scale;    // softmax_scale * log2(e), or softmax_scale / softcap with the cap
+  acc_t tanh_scale;  // softcap * log2(e); 0: no cap
+  // d score / d(qk_scale * q.k) apart from the cap's tanh derivative: ln 2, or
+  // softcap with the cap. dk, accumulated against the scaled q, is scaled by it.
+  acc_t dk_scale;
+  const float* alibi_slopes;  // nullptr: off
+  int64_t alibi_batch_stride;
+  at::TensorOptions acc_options;
+
+  Problem(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts)
+      : batch(q.size(0)),
+        nheads_q(q.size(2)),
+        nheads_kv(k.size(2)),
+        seqlen_q(q.size(1)),
+        seqlen_k(k.size(1)),
+        head_dim(q.size(3)),
+        qk_scale(static_cast<acc_t>(opts.softcap > 0 ? opts.softmax_scale / opts.softcap
+                                                     : opts.softmax_scale * M_LOG2E)),
+        tanh_scale(static_cast<acc_t>(opts.softcap * M_LOG2E)),
+        dk_scale(static_cast<acc_t>(opts.softcap > 0 ? opts.softcap : M_LN2)),
+        alibi_slopes(opts.alibi_slopes ? opts.alibi_slopes->data_ptr<float>() : nullptr),
+        alibi_batch_stride(opts.alibi_slopes && opts.alibi_slopes->dim() == 2
+                               ? opts.alibi_slopes->stride(0)
+                               : 0),
+        acc_options(q.options().dtype(c10::CppTypeToScalarType<acc_t>::value)) {
+    std::tie(window_left, window_right) = effective_window(opts, seqlen_q, seqlen_k);
+  }
+
+  int64_t group_size() const { return nheads_q / nheads_kv; }
+  // Query i's diagonal key (bottom-right alignment).
+  int64_t diagonal(int64_t i) const { return i + seqlen_k - seqlen_q; }
+
+  // Query i sees keys [first_visible_key(i), last_visible_key(i)] (empty when
+  // first > last): the interval form of key_visible() in attention_params.h.
+  int64_t first_visible_key(int64_t i) const {
+    return window_left < 0 ? 0 : std::max<int64_t>(0, diagonal(i) - window_left);
+  }
+  int64_t last_visible_key(int64_t i) const {
+    return window_right < 0 ? seqlen_k - 1 : std::min(seqlen_k - 1, diagonal(i) + window_right);
+  }
+  // Key j is seen by queries [first_query_seeing(j), last_query_seeing(j)].
+  int64_t first_query_seeing(int64_t j) const {
+    return window_right < 0 ? 0 : std::max<int64_t>(0, j - diagonal(0) - window_right);
+  }
+  int64_t last_query_seeing(int64_t j) const {
+    return window_left < 0 ? seqlen_q - 1 : std::min(seqlen_q - 1, j - diagonal(0) + window_left);
+  }
+
+  // Both interval ends grow with i, so a block is fully visible iff its last
+  // row sees its first column and its first row sees its last column.
+  bool fully_visible(int64_t i0, int64_t rows, int64_t j0, int64_t cols) const {
+    return first_visible_key(i0 + rows - 1) <= j0 && last_visible_key(i0) >= j0 + cols - 1;
+  }
+
+  bool capped() const { return tanh_scale > 0; }
+
+  // In log2 units, like the scores.
+  acc_t alibi_slope(int64_t b, int64_t h) const {
+    return alibi_slopes ? static_cast<acc_t>(alibi_slopes[b * alibi_batch_stride + h] * M_LOG2E)
+                        : acc_t(0);
+  }
+};
+
+// Rows [first, first + count) of one head of one batch entry: a (count, head_dim)
+// view with the tensor's own row stride.
+at::Tensor head_rows(const at::Tensor& t, int64_t b, int64_t head, int64_t first, int64_t count) {
+  return t.select(0, b).select(1, head).narrow(0, first, count);
+}
+
+// A contiguous (rows, cols) view at the start of a flat scratch buffer.
+at::Tensor block_of(const at::Tensor& flat, int64_t rows, int64_t cols) {
+  return flat.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
+// `rows` in the accumulation dtype of `scratch`: the view itself when it already
+// has that dtype (BLAS reads the strided view directly), else a converted copy.
+at::Tensor in_acc_dtype(const at::Tensor& rows, const at::Tensor& scratch) {
+  if (rows.scalar_type() == scratch.scalar_type()) return rows;
+  return block_of(scratch, rows.size(0), rows.size(1)).copy_(rows);
+}
+
+// Runs worker(next_task) on each intra-op thread; next_task(task) hands out the
+// tasks [0, num_tasks) one at a time, so tasks of uneven cost (causal) balance.
+// Each task owns the output rows it writes, so which thread runs it is invisible.
+template <typename Worker>
+void run_tasks(int64_t num_tasks, const Worker& worker) {
+  std::atomic<int64_t> next{0};
+  const auto next_task = [&](int64_t& task) {
+    task = next.fetch_add(1, std::memory_order_relaxed);
+    return task < num_tasks;
+  };
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1,
+                   [&](int64_t, int64_t) {
+                     // Worker threads do not inherit the caller's dispatch state; the
+                     // block math must not be recorded by autograd.
+                     at::AutoDispatchBelowADInplaceOrView below_autograd;
+                     worker(next_task);
+                   });
+}
+
+// Scores, in log2 units, of query rows [i0, i0 + rows) of head h against key
+// rows [j0, j0 + cols): S = cap(q_scaled k^T) + alibi, and -inf where the key is
+// not visible. With the cap on and `tanh_scores` given, tanh(q_scaled k^T) is
+// kept there for the backward's derivative.
+template <typename acc_t>
+void compute_scores(const Problem<acc_t>& pb, const at::Tensor& q_scaled,
+                    const at::Tensor& k_rows, int64_t b, int64_t h, int64_t i0, int64_t j0,
+                    at::Tensor& scores, at::Tensor* tanh_scores) {
+  at::mm_out(scores, q_scaled, k_rows.t());
+  if (pb.capped()) {
+    if (tanh_scores != nullptr) {
+      at::tanh_out(*tanh_scores, scores);
+      at::mul_out(scores, *tanh_scores, pb.tanh_scale);
+    } else {
+      scores.tanh_().mul_(pb.tanh_scale);
+    }
+  }
+  const int64_t rows = scores.size(0), cols = scores.size(1);
+  const acc_t slope = pb.alibi_slope(b, h);
+  if (slope == 0 && pb.fully_visible(i0, rows, j0, cols)) return;
+
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  acc_t* const data = scores.data_ptr<acc_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r;
+    acc_t* const row = data + r * cols;
+    // Visible columns of this row within the block: [begin, end).
+    const int64_t begin = std::clamp<int64_t>(pb.first_visible_key(i) - j0, 0, cols);
+    const int64_t end = std::clamp<int64_t>(pb.last_visible_key(i) - j0 + 1, begin, cols);
+    std::fill(row, row + begin, kMinusInf);
+    std::fill(row + end, row + cols, kMinusInf);
+    if (slope != 0) {
+      const int64_t diagonal_col = pb.diagonal(i) - j0;
+      for (int64_t c = begin; c < end; ++c) {
+        row[c] -= slope * static_cast<acc_t>(std::abs(diagonal_col - c));
+      }
+    }
+  }
+}
+
+// Running row max and row sum of the online softmax (base 2) over a sequence
+// of score blocks, for up to kBlockQ rows.
+template <typename acc_t>
+class OnlineSoftmax {
+ public:
+  explicit OnlineSoftmax(const at::TensorOptions& acc_options)
+      : storage_(at::empty({kNumVectors, kBlockQ}, acc_options)) {}
+
+  void reset(int64_t rows) {
+    rows_ = rows;
+    const auto row_vector = [&](int64_t index) { return storage_[index].narrow(0, 0, rows); };
+    max_ = row_vector(0).fill_(-std::numeric_limits<acc_t>::infinity());
+    sum_ = row_vector(1).zero_();
+    block_max_ = row_vector(2);
+    block_sum_ = row_vector(3);
+    shift_ = row_vector(4);
+    rescale_ = row_vector(5);
+  }
+
+  // Folds a block of scores (-inf where masked) into the running max and sum.
+  // Leaves exp2(scores - max) in scores, and in rescale() the factor by which
+  // everything accumulated from earlier blocks must be multiplied.
+  void step(at::Tensor& scores) {
+    at::amax_out(block_max_, scores, 1);
+    acc_t* const max = max_.data_ptr<acc_t>();
+    const acc_t* const block_max = block_max_.data_ptr<acc_t>();
+    acc_t* const shift = shift_.data_ptr<acc_t>();
+    acc_t* const rescale = rescale_.data_ptr<acc_t>();
+    for (int64_t r = 0; r < rows_; ++r) {
+      const acc_t new_max = std::max(max[r], block_max[r]);
+      // A row that has seen only masked keys is shifted by 0, giving exp2(-inf) = 0, not NaN.
+      shift[r] = new_max == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : new_max;
+      rescale[r] = std::exp2(max[r] - shift[r]);
+      max[r] = new_max;
+    }
+    scores.sub_(shift_.unsqueeze(1)).exp2_();
+    at::sum_out(block_sum_, scores, 1);
+    acc_t* const sum = sum_.data_ptr<acc_t>();
+    const acc_t* const block_sum = block_sum_.data_ptr<acc_t>();
+    for (int64_t r = 0; r < rows_; ++r) sum[r] = sum[r] * rescale[r] + block_sum[r];
+  }
+
+  const at::Tensor& rescale() const { return rescale_; }
+
+  // log2 of the sum of exp2(scores) of row r; +inf when the row saw no key.
+  acc_t lse_log2(int64_t r) const {
+    const acc_t sum = sum_.data_ptr<acc_t>()[r];
+    return sum > 0 ? max_.data_ptr<acc_t>()[r] + std::log2(sum)
+                   : std::numeric_limits<acc_t>::infinity();
+  }
+
+  // Into `out` (rows,): 1 / row sum, and 0 for rows that saw no key (their
+  // accumulator is 0 and must stay 0).
+  void inverse_sums(at::Tensor& out) const {
+    const acc_t* const sum = sum_.data_ptr<acc_t>();
+    acc_t* const inverse = out.data_ptr<acc_t>();
+    for (int64_t r = 0; r < rows_; ++r) inverse[r] = sum[r] > 0 ? acc_t(1) / sum[r] : acc_t(0);
+  }
+
+ private:
+  static constexpr int64_t kNumVectors = 6;
+  at::Tensor storage_;
+  int64_t rows_ = 0;
+  at::Tensor max_, sum_, block_max_, block_sum_, shift_, rescale_;
+};
+
+// Task number -> (batch, head, query block). Query blocks are handed out from
+// the last one down: under causal masking the last rows see the most keys, so
+// the longest tasks start first and the short ones fill the tail.
+struct QueryBlockTask {
+  int64_t b, h, i0, rows;
+
+  template <typename acc_t>
+  QueryBlockTask(const Problem<acc_t>& pb, int64_t task) {
+    const int64_t num_q_blocks = ceil_div(pb.seqlen_q, kBlockQ);
+    const int64_t batch_head = task % (pb.batch * pb.nheads_q);
+    b = batch_head / pb.nheads_q;
+    h = batch_head % pb.nheads_q;
+    i0 = (num_q_blocks - 1 - task / (pb.batch * pb.nheads_q)) * kBlockQ;
+    rows = std::min(kBlockQ, pb.seqlen_q - i0);
+  }
+};
+
+template <typename acc_t>
+int64_t num_query_block_tasks(const Problem<acc_t>& pb) {
+  return ceil_div(pb.seqlen_q, kBlockQ) * pb.batch * pb.nheads_q;
+}
+
+// Calls visit(j0, cols) for each key block holding a key visible from query rows
+// [i0, i0 + rows). The rows' visible intervals overlap from one row to the next,
+// so their union is one interval.
+template <typename acc_t, typename Visit>
+void for_each_key_block(const Problem<acc_t>& pb, int64_t i0, int64_t rows, const Visit& visit) {
+  const int64_t first = pb.first_visible_key(i0);
+  const int64_t last = pb.last_visible_key(i0 + rows - 1);
+  for (int64_t j0 = first / kBlockK * kBlockK; j0 <= last; j0 += kBlockK) {
+    visit(j0, std::min(kBlockK, pb.seqlen_k - j0));
+  }
+}
+
+// The query-side counterpart of for_each_key_block.
+template <typename acc_t, typename Visit>
+void for_each_query_block(const Problem<acc_t>& pb, int64_t j0, int64_t cols, const Visit& visit) {
+  const int64_t first = pb.first_query_seeing(j0);
+  const int64_t last = pb.last_query_seeing(j0 + cols - 1);
+  for (int64_t i0 = first / kBlockQ * kBlockQ; i0 <= last; i0 += kBlockQ) {
+    visit(i0, std::min(kBlockQ, pb.seqlen_q - i0));
+  }
+}
+
+template <typename acc_t>
+void forward_pass(const Problem<acc_t>& pb, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse) {
+  const int64_t d = pb.head_dim;
+  float* const lse_data = lse.data_ptr<float>();
+  run_tasks(num_query_block_tasks(pb), [&](const auto& next_task) {
+    const at::TensorOptions& opts = pb.acc_options;
+    const at::Tensor q_scratch = at::empty({kBlockQ * d}, opts);
+    const at::Tensor k_scratch = at::empty({kBlockK * d}, opts);
+    const at::Tensor v_scratch = at::empty({kBlockK * d}, opts);
+    const at::Tensor acc_scratch = at::empty({kBlockQ * d}, opts);
+    const at::Tensor scores_scratch = at::empty({kBlockQ * kBlockK}, opts);
+    at::Tensor inverse_sums = at::empty({kBlockQ}, opts);
+    OnlineSoftmax<acc_t> softmax(opts);
+
+    for (int64_t task; next_task(task);) {
+      const QueryBlockTask t(pb, task);
+      const int64_t kv_head = t.h / pb.group_size();
+      at::Tensor q_scaled = block_of(q_scratch, t.rows, d);
+      q_scaled.copy_(head_rows(q, t.b, t.h, t.i0, t.rows)).mul_(pb.qk_scale);
+      at::Tensor acc = block_of(acc_scratch, t.rows, d).zero_();
+      softmax.reset(t.rows);
+
+      for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
+        const at::Tensor k_rows = in_acc_dtype(head_rows(k, t.b, kv_head, j0, cols), k_scratch);
+        const at::Tensor v_rows = in_acc_dtype(head_rows(v, t.b, kv_head, j0, cols), v_scratch);
+        at::Tensor scores = block_of(scores_scratch, t.rows, cols);
+        compute_scores(pb, q_scaled, k_rows, t.b, t.h, t.i0, j0, scores, nullptr);
+        softmax.step(scores);
+        acc.mul_(softmax.rescale().unsqueeze(1)).addmm_(scores, v_rows);
+      });
+
+      at::Tensor inverse = inverse_sums.narrow(0, 0, t.rows);
+      softmax.inverse_sums(inverse);
+      head_rows(out, t.b, t.h, t.i0, t.rows).copy_(acc.mul_(inverse.unsqueeze(1)));
+      float* const lse_rows =
+          lse_data + t.b * lse.stride(0) + t.h * lse.stride(1) + t.i0 * lse.stride(2);
+      for (int64_t r = 0; r < t.rows; ++r) {
+        lse_rows[r * lse.stride(2)] = static_cast<float>(softmax.lse_log2(r) * acc_t(M_LN2));
+      }
+    }
+  });
+}
+
+// P = exp2(S - lse_log2) in place; rows with lse = +inf (no visible key) give 0.
+void probabilities_from_scores(at::Tensor& scores, const at::Tensor& row_lse_log2) {
+  scores.sub_(row_lse_log2.unsqueeze(1)).exp2_();
+}
+
+// Turns dP (in place) into the gradient with respect to q_scaled k^T, up to the
+// constant factor dk_scale: P * (dP - D), times 1 - tanh^2 with the cap.
+// tanh_scores is consumed.
+template <typename acc_t>
+void score_gradient(const Problem<acc_t>& pb, at::Tensor& dprobs, const at::Tensor& probs,
+                    const at::Tensor& row_delta, at::Tensor& tanh_scores) {
+  dprobs.sub_(row_delta.unsqueeze(1)).mul_(probs);
+  if (pb.capped()) dprobs.mul_(tanh_scores.mul_(tanh_scores).neg_().add_(1));
+}
+
+// Per-thread scratch of the backward passes.
+struct BackwardScratch {
+  at::Tensor q, k, v, dout, acc_a, acc_b, scores, tanh_scores, dprobs;
+
+  BackwardScratch(const at::TensorOptions& opts, int64_t d)
+      : q(at::empty({kBlockQ * d}, opts)),
+        k(at::empty({kBlockK * d}, opts)),
+        v(at::empty({kBlockK * d}, opts)),
+        dout(at::empty({kBlockQ * d}, opts)),
+        acc_a(at::empty({std::max(kBlockQ, kBlockK) * d}, opts)),
+        acc_b(at::empty({std::max(kBlockQ, kBlockK) * d}, opts)),
+        scores(at::empty({kBlockQ * kBlockK}, opts)),
+        tanh_scores(at::empty({kBlockQ * kBlockK}, opts)),
+        dprobs(at::empty({kBlockQ * kBlockK}, opts)) {}
+};
+
+// Backward pass 1: per (batch, head, query block), the row terms D and lse that
+// pass 2 reads, and dq.
+template <typename acc_t>
+void dq_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tensor& q,
+             const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+             const at::Tensor& lse, const at::Tensor& row_lse_log2, const at::Tensor& row_delta,
+             const at::Tensor& dq, double softmax_scale) {
+  const int64_t d = pb.head_dim;
+  run_tasks(num_query_block_tasks(pb), [&](const auto& next_task) {
+    BackwardScratch scratch(pb.acc_options, d);
+    OnlineSoftmax<acc_t> softmax(pb.acc_options);
+
+    for (int64_t task; next_task(task);) {
+      const QueryBlockTask t(pb, task);
+      const int64_t kv_head = t.h / pb.group_size();
+      at::Tensor q_scaled = block_of(scratch.q, t.rows, d);
+      q_scaled.copy_(head_rows(q, t.b, t.h, t.i0, t.rows)).mul_(pb.qk_scale);
+      const at::Tensor dout_rows = in_acc_dtype(head_rows(dout, t.b, t.h, t.i0, t.rows), scratch.dout);
+      at::Tensor delta = row_delta[t.b][t.h].narrow(0, t.i0, t.rows);
+      at::sum_out(delta, at::mul(dout_rows, head_rows(out, t.b, t.h, t.i0, t.rows)), 1);
+
+      at::Tensor block_lse_log2 = row_lse_log2[t.b][t.h].narrow(0, t.i0, t.rows);
+      if constexpr (std::is_same_v<acc_t, double>) {
+        softmax.reset(t.rows);
+        for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
+          const at::Tensor k_rows = head_rows(k, t.b, kv_head, j0, cols);
+          at::Tensor scores = block_of(scratch.scores, t.rows, cols);
+          compute_scores(pb, q_scaled, k_rows, t.b, t.h, t.i0, j0, scores, nullptr);
+          softmax.step(scores);
+        });
+        acc_t* const lse_out = block_lse_log2.data_ptr<acc_t>();
+        for (int64_t r = 0; r < t.rows; ++r) lse_out[r] = softmax.lse_log2(r);
+      } else {
+        at::mul_out(block_lse_log2, lse[t.b][t.h].narrow(0, t.i0, t.rows), M_LOG2E);
+      }
+
+      at::Tensor dq_acc = block_of(scratch.acc_a, t.rows, d).zero_();
+      for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
+        const at::Tensor k_rows = in_acc_dtype(head_rows(k, t.b, kv_head, j0, cols), scratch.k);
+        const at::Tensor v_rows = in_acc_dtype(head_rows(v, t.b, kv_head, j0, cols), scratch.v);
+        at::Tensor probs = block_of(scratch.scores, t.rows, cols);
+        at::Tensor tanh_scores = block_of(scratch.tanh_scores, t.rows, cols);
+        compute_scores(pb, q_scaled, k_rows, t.b, t.h, t.i0, j0, probs, &tanh_scores);
+        probabilities_from_scores(probs, block_lse_log2);
+        at::Tensor dprobs = block_of(scratch.dprobs, t.rows, cols);
+        at::mm_out(dprobs, dout_rows, v_rows.t());
+        score_gradient(pb, dprobs, probs, delta, tanh_scores);
+        dq_acc.addmm_(dprobs, k_rows);
+      });
+      // qk_scale * dk_scale is softmax_scale, with the cap or without.
+      head_rows(dq, t.b, t.h, t.i0, t.rows).copy_(dq_acc.mul_(softmax_scale));
+    }
+  });
+}
+
+// Backward pass 2: per (batch, kv head, key block), dk and dv summed over the
+// kv head's query-head group. Tasks go in key-block order, heaviest first under
+// causal masking (early keys are seen by most queries).
+template <typename acc_t>
+void dkdv_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tensor& q,
+               const at::Tensor& k, const at::Tensor& v, const at::Tensor& row_lse_log2,
+               const at::Tensor& row_delta, const at::Tensor& dk, const at::Tensor& dv) {
+  const int64_t d = pb.head_dim;
+  const int64_t num_kv_heads = pb.batch * pb.nheads_kv;
+  const int64_t num_tasks = ceil_div(pb.seqlen_k, kBlockK) * num_kv_heads;
+  run_tasks(num_tasks, [&](const auto& next_task) {
+    BackwardScratch scratch(pb.acc_options, d);
+
+    for (int64_t task; next_task(task);) {
+      const int64_t b = task % num_kv_heads / pb.nheads_kv;
+      const int64_t kv_head = task % num_kv_heads % pb.nheads_kv;
+      const int64_t j0 = task / num_kv_heads * kBlockK;
+      const int64_t cols = std::min(kBlockK, pb.seqlen_k - j0);
+      const at::Tensor k_rows = in_acc_dtype(head_rows(k, b, kv_head, j0, cols), scratch.k);
+      const at::Tensor v_rows = in_acc_dtype(head_rows(v, b, kv_head, j0, cols), scratch.v);
+      at::Tensor dk_acc = block_of(scratch.acc_a, cols, d).zero_();
+      at::Tensor dv_acc = block_of(scratch.acc_b, cols, d).zero_();
+
+      for (int64_t h = kv_head * pb.group_size(); h < (kv_head + 1) * pb.group_size(); ++h) {
+        for_each_query_block(pb, j0, cols, [&](int64_t i0, int64_t rows) {
+          at::Tensor q_scaled = block_of(scratch.q, rows, d);
+          q_scaled.copy_(head_rows(q, b, h, i0, rows)).mul_(pb.qk_scale);
+          const at::Tensor dout_rows = in_acc_dtype(head_rows(dout, b, h, i0, rows), scratch.dout);
+          at::Tensor probs = block_of(scratch.scores, rows, cols);
+          at::Tensor tanh_scores = block_of(scratch.tanh_scores, rows, cols);
+          compute_scores(pb, q_scaled, k_rows, b, h, i0, j0, probs, &tanh_scores);
+          probabilities_from_scores(probs, row_lse_log2[b][h].narrow(0, i0, rows));
+          dv_acc.addmm_(probs.t(), dout_rows);
+          at::Tensor dprobs = block_of(scratch.dprobs, rows, cols);
+          at::mm_out(dprobs, dout_rows, v_rows.t());
+          score_gradient(pb, dprobs, probs, row_delta[b][h].narrow(0, i0, rows), tanh_scores);
+          dk_acc.addmm_(dprobs.t(), q_scaled);
+        });
+      }
+      head_rows(dk, b, kv_head, j0, cols).copy_(dk_acc.mul_(pb.dk_scale));
+      head_rows(dv, b, kv_head, j0, cols).copy_(dv_acc);
+    }
+  });
+}
+
+AttentionOptions make_options(double softmax_scale, bool causal, int64_t window_left,
+                              int64_t window_right, double softcap,
+                              const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                              const std::optional<at::Tensor>& rng_state) {
+  return AttentionOptions{softmax_scale, causal,       window_left, window_right,
+                          softcap,       alibi_slopes, dropout_p,   rng_state};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS) {
+  const AttentionOptions opts = make_options(softmax_scale, causal, window_left, window_right,
+                                             softcap, alibi_slopes, dropout_p, rng_state);
+  check_forward_inputs(q, k, v, opts, kCpuBackend);
+  auto [out, lse] = allocate_forward_outputs(q);
+  if (is_empty_problem(q, k)) {
+    out.zero_();
+    lse.fill_(std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  if (q.scalar_type() == at::kDouble) {
+    forward_pass(Problem<double>(q, k, opts), q, k, v, out, lse);
+  } else {
+    forward_pass(Problem<float>(q, k, opts), q, k, v, out, lse);
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
+  // Both passes are deterministic whatever `deterministic` says.
+  static_cast<void>(deterministic);
+  const AttentionOptions opts = make_options(softmax_scale, causal, window_left, window_right,
+                                             softcap, alibi_slopes, dropout_p, rng_state);
+  check_backward_inputs(dout, q, k, v, out, lse, opts, kCpuBackend);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  if (is_empty_problem(q, k)) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  const auto run = [&](const auto& pb) {
+    // Per query row: the lse (log2 units) the probabilities are recomputed from, and D.
+    const at::Tensor row_lse_log2 = at::empty({pb.batch, pb.nheads_q, pb.seqlen_q}, pb.acc_options);
+    const at::Tensor row_delta = at::empty_like(row_lse_log2);
+    dq_pass(pb, dout, q, k, v, out, lse, row_lse_log2, row_delta, dq, softmax_scale);
+    dkdv_pass(pb, dout, q, k, v, row_lse_log2, row_delta, dk, dv);
+  };
+  if (q.scalar_type() == at::kDouble) {
+    run(Problem<double>(q, k, opts));
+  } else {
+    run(Problem<float>(q, k, opts));
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace flashattn
+
+TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) {
+  m.impl("attention_forward", TORCH_FN(flashattn::attention_forward_cpu));
+  m.impl("attention_backward", TORCH_FN(flashattn::attention_backward_cpu));
+}

@@ -1,0 +1,94 @@
+// CUDA backward op: checks, device guard, gradients and fp32 workspaces, then the kernels for
+// q's dtype and head-dim tile on the current stream.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "attention_api.h"
+#include "attention_ops.h"
+#include "backward_launch.cuh"
+#include "cuda_backend.h"
+#include "head_dim_tiles.h"
+
+namespace flashattn {
+namespace {
+
+struct BackwardLauncher {
+  const AttentionBwdParams& params;  // everything but the workspaces
+  at::TensorOptions device_options;
+  DeviceLimits limits;
+  cudaStream_t stream;
+
+  template <int W>
+  cudaError_t launch() const {
+    const BackwardWorkspaceGeometry geometry = backward_workspace_geometry(params.seqlen_q, W);
+    TORCH_CHECK(geometry.seqlen_q_rounded <= std::numeric_limits<int>::max(),
+                "flashattn_ext: seqlen_q ", params.seqlen_q, " is too long for the backward "
+                "workspaces (rounded up to ", geometry.seqlen_q_rounded, " rows)");
+    const auto f32 = device_options.dtype(at::kFloat);
+    // Allocated on the current stream, which the kernels run on, so freeing them when this
+    // returns is safe with the caching allocator.
+    const at::Tensor dq_accum = at::empty(
+        {params.batch, params.nheads_q, geometry.seqlen_q_rounded, geometry.head_dim_rounded}, f32);
+    const at::Tensor softmax_d =
+        at::empty({params.batch, params.nheads_q, geometry.seqlen_q_rounded}, f32);
+    const at::Tensor lse_log2 =
+        at::empty({params.batch, params.nheads_q, geometry.seqlen_q_rounded}, f32);
+    const at::Tensor semaphores = at::empty(
+        {params.deterministic ? params.batch * int64_t{params.nheads_q} * geometry.semaphores_per_head
+                              : 0},
+        device_options.dtype(at::kInt));
+
+    AttentionBwdParams p = params;
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.softmax_d = softmax_d.data_ptr<float>();
+    p.lse_log2 = lse_log2.data_ptr<float>();
+    p.dq_semaphore = params.deterministic ? semaphores.data_ptr<int>() : nullptr;
+    p.seqlen_q_rounded = static_cast<int>(geometry.seqlen_q_rounded);
+    p.head_dim_rounded = static_cast<int>(geometry.head_dim_rounded);
+    return p.is_bf16 ? launch_attention_backward<__nv_bfloat16, W>(p, limits, stream)
+                     : launch_attention_backward<__half, W>(p, limits, stream);
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(FLASHATTN_BACKWARD_ARGS) {
+  const AttentionOptions opts{softmax_scale, causal,       window_left, window_right,
+                              softcap,       alibi_slopes, dropout_p,   rng_state};
+  check_backward_inputs(dout, q, k, v, out, lse, opts, cuda_features());
+  check_cuda_device(q);
+  const c10::cuda::CUDAGuard device_guard(q.device());
+
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  if (is_empty_problem(q, k)) {
+    // No query, or no key: every gradient is an empty sum.
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+
+  // Named, so that any copies outlive the kernels that read them.
+  const at::Tensor dout_16 = with_16_byte_rows(dout), q_16 = with_16_byte_rows(q),
+                   k_16 = with_16_byte_rows(k), v_16 = with_16_byte_rows(v),
+                   out_16 = with_16_byte_rows(out), lse_c = lse.contiguous();
+  AttentionBwdParams params =
+      make_backward_params(dout_16, q_16, k_16, v_16, out_16, lse_c, dq, dk, dv, opts);
+  params.deterministic = deterministic;
+  const BackwardLauncher launcher{params, q.options(), device_limits(q),
+                                  c10::cuda::getCurrentCUDAStream().stream()};
+  cudaError_t status = cudaSuccess;
+  if (!dispatch_head_dim_tile(params.head_dim, launcher, &status))
+    fail_head_dim_not_compiled(params.head_dim);
+  check_cuda_status(status, "the backward kernel launch");
+  return {dq, dk, dv};
+}
+
+}  // namespace flashattn

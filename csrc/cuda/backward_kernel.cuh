@@ -1,0 +1,635 @@
+// Backward pass of exact attention, FlashAttention-2 style (mma.sync, sm_80+).
+//
+// Algorithm. Three kernels on one stream:
+//   1. preprocess: per query row, D = rowsum(dO * O) in fp32 and lse2 = lse * log2(e), into
+//      workspaces padded to seqlen_q_rounded rows (padded rows: D = 0, lse2 = +inf, so every
+//      P computed for them below is exp2(-inf) = 0 and they contribute nothing).
+//   2. main: one thread block per (key block, kv head, batch), flattened into blockIdx.x. It
+//      keeps dK and dV of its BN keys in registers while it walks every query head of its
+//      GQA group and, per head, every query block that sees one of its keys (MaskGeometry
+//      ranges; invisible blocks are never loaded). Per query block (BM queries):
+//        Sᵀ  = K Qᵀ                          (recomputed, never stored)
+//        Pᵀ  = exp2(Sᵀ·scale·log2e − lse2)   (element mask only on tiles that straddle it)
+//        dV += Pᵀ dO
+//        dPᵀ = V dOᵀ
+//        dSᵀ = Pᵀ ∘ (dPᵀ − D)
+//        dK += dSᵀ Q
+//        dQ_accum += dS K                    (fp32 red.global into the workspace)
+//      At the end dK is scaled by softmax_scale and both are written in the output dtype.
+//   3. postprocess: dq = dq_accum * softmax_scale in the output dtype, strided.
+//
+// Warp layout. A warp owns 16 key rows (the M of m16n8k16) and computes Sᵀ and dPᵀ with the
+// keys as rows, so the fp32 accumulators of Pᵀ and dSᵀ are already laid out as the A operand
+// of dV += Pᵀ dO and dK += dSᵀ Q (see mma_primitives.cuh): for head-dim tiles up to 128 each
+// warp covers all BM queries and those two products take P and dS straight from registers.
+// dK + dV of 16 rows cost W fp32 registers per thread, which is too many past W = 128, so for
+// W = 192/256 a pair of warps shares 16 key rows: each computes Sᵀ/dPᵀ for half the queries
+// and accumulates dK/dV for half the head dimension, and Pᵀ goes through shared memory so both
+// see all queries (kWarpsD = 2). dSᵀ is always written to shared memory once, because the
+// dQ = dS K product needs it with the queries as rows: its A operand is read back with
+// ldmatrix.trans, K (row-major in smem) is its B operand through ldmatrix.trans as well. The
+// dQ product uses its own warp grid over (BM, head-dim chunk) so its accumulators stay small.
+//
+// Pipeline. K and V are loaded once. Q, dO and the per-query lse2/D of the next query block are
+// prefetched with cp.async into the other of two stages while the current one is computed
+// (one stage for the smallest-smem plan). Per query block there are two block barriers: one
+// when the stage has landed (which also frees the other stage and the dS/P tiles of the
+// previous block), one after dSᵀ (and Pᵀ) are in shared memory.
+//
+// Tile sizes (chosen in backward_launch.cuh): registers bound the key rows per warp (16) and
+// the head-dim share of the dK/dV accumulators (W / kWarpsD registers per thread); BM = 64
+// adds 32 registers of Sᵀ (16 once rounded to Pᵀ) and 32 of dPᵀ, which at W = 128 is all
+// that 255 registers hold (ptxas reports 0 spills for every plan). Shared memory (K, V, two
+// stages of Q and dO, dSᵀ, Pᵀ, all padded SmemTiles) bounds the rest: d 128 needs 155 KB,
+// d 256 217 KB of the 227 KB a Hopper block can opt into. Devices with ~99 KB get a plan with
+// smaller blocks.
+//
+// Precision: products take Element operands and accumulate in fp32 (as the forward). Pᵀ is
+// kept rounded to Element, which is what dV's product consumes; dSᵀ = Pᵀ(dPᵀ − D) uses that
+// rounded P with fp32 dPᵀ and D, so dS carries about one extra Element rounding before its
+// own rounding for the dK and dQ products.
+//
+// Deterministic dQ: the key blocks of one (batch, query head, query block) add their dS K in
+// increasing key-block order, taking turns on a counter in dq_semaphore. Query blocks are
+// visited from the last to the first, so under a causal mask every key block starts on the
+// bottom query block, which all of them share, and the turns form a pipeline instead of a
+// chain of waits down the diagonal. A block only ever waits for blocks with a smaller
+// blockIdx.x, which were dispatched before it, so the turns cannot deadlock.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "attention_mask.h"
+#include "attention_params.h"
+#include "mma_primitives.cuh"
+#include "smem_tile.cuh"
+
+namespace flashattn {
+namespace backward {
+
+// Workspace rows per head are padded to this many queries (a multiple of every BM), and the
+// semaphores are laid out for the smallest BM, so the host can size both without the plan.
+constexpr int kQueryRowRounding = 128;
+constexpr int kMinBlockM = 16;
+
+// One plan: head-dim tile W, BN keys and BM queries per block, kWarpsD warps sharing the key
+// rows of a warp (splitting queries for Sᵀ/dPᵀ and head dims for dK/dV), kStages buffers of
+// Q/dO, and the dQ product computed in chunks of kDqChunk head dims by a kDqWarpsQ x
+// (warps / kDqWarpsQ) warp grid.
+template <int kHeadDimTile_, int kBlockN_, int kBlockM_, int kWarpsD_, int kStages_,
+          int kDqWarpsQ_, int kDqChunk_>
+struct BackwardTile {
+  static constexpr int kHeadDimTile = kHeadDimTile_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kWarpsD = kWarpsD_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kDqWarpsQ = kDqWarpsQ_;
+  static constexpr int kDqChunk = kDqChunk_;
+
+  static constexpr int kWarpsN = kBlockN / 16;
+  static constexpr int kWarps = kWarpsN * kWarpsD;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kQueriesPerWarp = kBlockM / kWarpsD;  // Sᵀ / dPᵀ columns of one warp
+  static constexpr int kDimsPerWarp = kHeadDimTile / kWarpsD;  // dK / dV columns of one warp
+  static constexpr int kDqWarpsD = kWarps / kDqWarpsQ;
+  static constexpr int kDqRowsPerWarp = kBlockM / kDqWarpsQ;
+  static constexpr int kDqColsPerWarp = kDqChunk / kDqWarpsD;
+
+  using KVTile = SmemTile<kBlockN, kHeadDimTile>;
+  using QTile = SmemTile<kBlockM, kHeadDimTile>;
+  using ScoreTile = SmemTile<kBlockN, kBlockM>;  // Pᵀ / dSᵀ: key rows, query columns
+
+  // Byte offsets into dynamic shared memory.
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + KVTile::kBytes;
+  static constexpr int kOffQ = kOffV + KVTile::kBytes;
+  static constexpr int kOffDO = kOffQ + kStages * QTile::kBytes;
+  static constexpr int kOffLse = kOffDO + kStages * QTile::kBytes;
+  static constexpr int kOffD = kOffLse + kStages * kBlockM * 4;
+  static constexpr int kOffDS = kOffD + kStages * kBlockM * 4;
+  static constexpr int kOffP = kOffDS + ScoreTile::kBytes;
+  static constexpr int kSmemBytes = kOffP + (kWarpsD > 1 ? ScoreTile::kBytes : 0);
+
+  static_assert(kBlockN % 16 == 0 && kBlockM % 16 == 0, "blocks are whole mma tiles");
+  static_assert(kQueriesPerWarp % 16 == 0, "B fragments are loaded two n-tiles at a time");
+  static_assert(kDimsPerWarp % 16 == 0, "B fragments are loaded two n-tiles at a time");
+  static_assert(kWarps % kDqWarpsQ == 0 && kDqRowsPerWarp % 16 == 0, "dQ warp rows");
+  static_assert(kHeadDimTile % kDqChunk == 0 && kDqColsPerWarp % 16 == 0, "dQ warp columns");
+  static_assert(kQueryRowRounding % kBlockM == 0 && kBlockM >= kMinBlockM, "workspace padding");
+  static_assert(kBlockM / 2 <= kThreads, "one cp.async per 4 floats of lse2 and D");
+  static_assert(kStages == 1 || kStages == 2, "single or double buffered");
+};
+
+// Per-lane byte offset of the row address a lane gives ldmatrix.x4 for a 16x16 block of a
+// padded tile, in the two orders of the four 8x8 sub-matrices that the operands need:
+//  - column-major order (rows 0-7, 8-15 of columns 0-7, then of columns 8-15): the A operand
+//    of a row-major [m][k] tile, and with .trans the B operand (two n-tiles) of a [k][n] tile;
+//  - row-major order (columns 0-7, 8-15 of rows 0-7, then of rows 8-15): the B operand (two
+//    n-tiles) of an [n][k] tile, and with .trans the A operand of a [k][m] tile.
+template <typename Tile>
+__device__ __forceinline__ uint32_t ldsm_offset_colmajor(int lane) {
+  return static_cast<uint32_t>(((lane & 15) * Tile::kStride + (lane >> 4) * 8) * 2);
+}
+template <typename Tile>
+__device__ __forceinline__ uint32_t ldsm_offset_rowmajor(int lane) {
+  return static_cast<uint32_t>((((lane & 7) + (lane >> 4) * 8) * Tile::kStride + (lane & 8)) * 2);
+}
+
+template <typename Tile>
+__device__ __forceinline__ constexpr uint32_t tile_offset(int row, int col) {
+  return static_cast<uint32_t>((row * Tile::kStride + col) * 2);
+}
+
+// acc (16 x 8·kNTiles) += A (16 x kK) · Bᵀ with A a row-major tile (lanes at a_addr, from
+// ldsm_offset_colmajor) and B stored [n][k] (lanes at b_addr, from ldsm_offset_rowmajor).
+// The k loop is unrolled by two only: two k-steps give the scheduler enough independent
+// loads and mma, and the full unroll makes ptxas hoist so many fragments next to the dK/dV
+// accumulators that it spills (measured at W = 128).
+template <typename Element, typename ATile, typename BTile, int kK, int kNTiles>
+__device__ __forceinline__ void mma_a_bt(float (&acc)[kNTiles][4], uint32_t a_addr,
+                                         uint32_t b_addr) {
+#pragma unroll 2
+  for (int ks = 0; ks < kK / 16; ++ks) {
+    uint32_t a[4];
+    ldmatrix_x4(a, a_addr + tile_offset<ATile>(0, ks * 16));
+#pragma unroll
+    for (int jp = 0; jp < kNTiles / 2; ++jp) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_addr + tile_offset<BTile>(jp * 16, ks * 16));
+      MmaElement<Element>::mma(acc[2 * jp], a, b[0], b[1]);
+      MmaElement<Element>::mma(acc[2 * jp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc (16 x 8·kNTiles) += A (one 16x16 k-step) · B (16 x 8·kNTiles) with B stored [k][n]
+// (lanes at b_addr, from ldsm_offset_colmajor, already at the k-step's first row).
+template <typename Element, typename BTile, int kNTiles>
+__device__ __forceinline__ void mma_step_a_b(float (&acc)[kNTiles][4], const uint32_t (&a)[4],
+                                             uint32_t b_addr) {
+#pragma unroll
+  for (int jp = 0; jp < kNTiles / 2; ++jp) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, b_addr + tile_offset<BTile>(0, jp * 16));
+    MmaElement<Element>::mma(acc[2 * jp], a, b[0], b[1]);
+    MmaElement<Element>::mma(acc[2 * jp + 1], a, b[2], b[3]);
+  }
+}
+
+// The A fragment of k-step kk taken from fp32 accumulators whose n-tiles 2kk, 2kk+1 hold its
+// 16 columns (the C and A layouts of m16n8k16 coincide).
+template <typename Element, int kNTiles>
+__device__ __forceinline__ void accumulator_as_a(uint32_t (&a)[4], const float (&c)[kNTiles][4],
+                                                 int kk) {
+  a[0] = MmaElement<Element>::pack(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = MmaElement<Element>::pack(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = MmaElement<Element>::pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = MmaElement<Element>::pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+// Writes a warp's 16 x 8·kNTiles fp32 accumulator, rounded to Element, into a padded tile at
+// (row0, col0); lane (g, t) owns rows g, g+8 and columns 2t, 2t+1 of each n-tile.
+template <typename Element, typename Tile, int kNTiles>
+__device__ __forceinline__ void store_accumulator(unsigned char* tile, const float (&c)[kNTiles][4],
+                                                  int row0, int col0, int lane, float scale) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kNTiles; ++j) {
+    const int col = col0 + 8 * j + 2 * t;
+    *reinterpret_cast<uint32_t*>(tile + tile_offset<Tile>(row0 + g, col)) =
+        MmaElement<Element>::pack(c[j][0] * scale, c[j][1] * scale);
+    *reinterpret_cast<uint32_t*>(tile + tile_offset<Tile>(row0 + g + 8, col)) =
+        MmaElement<Element>::pack(c[j][2] * scale, c[j][3] * scale);
+  }
+}
+
+// The same for an accumulator already rounded to Element pairs (rows g, g+8 of each n-tile).
+template <typename Tile, int kNTiles>
+__device__ __forceinline__ void store_packed(unsigned char* tile, const uint32_t (&c)[kNTiles][2],
+                                             int row0, int col0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kNTiles; ++j) {
+    const int col = col0 + 8 * j + 2 * t;
+    *reinterpret_cast<uint32_t*>(tile + tile_offset<Tile>(row0 + g, col)) = c[j][0];
+    *reinterpret_cast<uint32_t*>(tile + tile_offset<Tile>(row0 + g + 8, col)) = c[j][1];
+  }
+}
+
+template <typename Element>
+__device__ __forceinline__ float2 unpack_pair(uint32_t v);
+template <>
+__device__ __forceinline__ float2 unpack_pair<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+template <>
+__device__ __forceinline__ float2 unpack_pair<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
+__device__ __forceinline__ void red_add_pair(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+__device__ __forceinline__ int load_acquire(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(int* ptr, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// Element (b, row, h, 0) of a (batch, seqlen, nheads, head_dim) tensor, in 64-bit arithmetic.
+template <typename T>
+__device__ __forceinline__ T* element_at(T* base, const TensorStrides& s, int b, int row, int h) {
+  return base + static_cast<int64_t>(b) * s.batch + static_cast<int64_t>(row) * s.row +
+         static_cast<int64_t>(h) * s.head;
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. D = rowsum(dO ∘ O) and lse2 = lse·log2(e) for every (batch, head, padded query row).
+// Eight lanes share a row, each reading 16-byte chunks, so a row is read in 128-byte pieces.
+constexpr int kPrepThreads = 256;
+constexpr int kPrepLanesPerRow = 8;
+
+template <typename Element>
+__global__ void __launch_bounds__(kPrepThreads) attention_backward_preprocess_kernel(
+    const AttentionBwdParams p) {
+  constexpr int kRowsPerBlock = kPrepThreads / kPrepLanesPerRow;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q_rounded;
+  const int sub = threadIdx.x % kPrepLanesPerRow;
+  // The loop bound is uniform over the block, so every lane reaches the shuffles.
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; row0 < rows;
+       row0 += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
+    const int64_t row = row0 + threadIdx.x / kPrepLanesPerRow;
+    const int64_t bh = row / p.seqlen_q_rounded;
+    const int i = static_cast<int>(row - bh * p.seqlen_q_rounded);
+    const bool real = row < rows && i < p.seqlen_q;
+    float acc = 0.f;
+    if (real) {
+      const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+      const Element* o = element_at(static_cast<const Element*>(p.out), p.out_strides, b, i, h);
+      const Element* d = element_at(static_cast<const Element*>(p.dout), p.dout_strides, b, i, h);
+      for (int c = sub * 8; c < p.head_dim; c += 8 * kPrepLanesPerRow) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+        const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
+        const Element* oe = reinterpret_cast<const Element*>(&ov);
+        const Element* de = reinterpret_cast<const Element*>(&dv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          acc = fmaf(MmaElement<Element>::to_float(oe[e]), MmaElement<Element>::to_float(de[e]), acc);
+      }
+    }
+#pragma unroll
+    for (int offset = 1; offset < kPrepLanesPerRow; offset *= 2)
+      acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (row < rows && sub == 0) {
+      p.softmax_d[row] = acc;
+      p.lse_log2[row] = real ? p.lse[bh * p.seqlen_q + i] * 1.4426950408889634f : INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. dq = dq_accum · softmax_scale, 8 head dims per thread.
+constexpr int kPostThreads = 256;
+
+template <typename Element>
+__global__ void __launch_bounds__(kPostThreads) attention_backward_postprocess_kernel(
+    const AttentionBwdParams p) {
+  const int chunks = p.head_dim / 8;
+  const int64_t total = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q * chunks;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kPostThreads + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * kPostThreads) {
+    const int c = static_cast<int>(idx % chunks);
+    const int64_t r = idx / chunks;
+    const int i = static_cast<int>(r % p.seqlen_q);
+    const int64_t bh = r / p.seqlen_q;
+    const float* src = p.dq_accum + (bh * p.seqlen_q_rounded + i) * p.head_dim_rounded + c * 8;
+    const float4 lo = *reinterpret_cast<const float4*>(src);
+    const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+    const float s = p.softmax_scale;
+    uint4 packed;
+    packed.x = MmaElement<Element>::pack(lo.x * s, lo.y * s);
+    packed.y = MmaElement<Element>::pack(lo.z * s, lo.w * s);
+    packed.z = MmaElement<Element>::pack(hi.x * s, hi.y * s);
+    packed.w = MmaElement<Element>::pack(hi.z * s, hi.w * s);
+    Element* dst = element_at(static_cast<Element*>(p.dq), p.dq_strides,
+                              static_cast<int>(bh / p.nheads_q), i,
+                              static_cast<int>(bh % p.nheads_q));
+    *reinterpret_cast<uint4*>(dst + c * 8) = packed;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. The main kernel (see the header comment).
+template <typename Element, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    attention_backward_kernel(const AttentionBwdParams p) {
+  constexpr int W = Tile::kHeadDimTile;
+  constexpr int BN = Tile::kBlockN;
+  constexpr int BM = Tile::kBlockM;
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kQTiles = Tile::kQueriesPerWarp / 8;  // n-tiles of Sᵀ / dPᵀ per warp
+  constexpr int kDTiles = Tile::kDimsPerWarp / 8;     // n-tiles of dK / dV per warp
+  constexpr int kDqMTiles = Tile::kDqRowsPerWarp / 16;
+  constexpr int kDqNTiles = Tile::kDqColsPerWarp / 8;
+  using KVTile = typename Tile::KVTile;
+  using QTile = typename Tile::QTile;
+  using ScoreTile = typename Tile::ScoreTile;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t smem_base = smem_address(smem);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int warp_n = warp % Tile::kWarpsN, warp_d = warp / Tile::kWarpsN;
+  const int key_row0 = 16 * warp_n;                          // this warp's key rows in the block
+  const int query_col0 = warp_d * Tile::kQueriesPerWarp;     // its Sᵀ columns
+  const int dim_col0 = warp_d * Tile::kDimsPerWarp;          // its dK / dV columns
+  const int dq_row0 = (warp % Tile::kDqWarpsQ) * Tile::kDqRowsPerWarp;
+  const int dq_col0 = (warp / Tile::kDqWarpsQ) * Tile::kDqColsPerWarp;
+
+  const int num_n_blocks = (p.seqlen_k + BN - 1) / BN;
+  const int n_block = static_cast<int>(blockIdx.x % num_n_blocks);
+  const int bh_kv = static_cast<int>(blockIdx.x / num_n_blocks);
+  const int h_kv = bh_kv % p.nheads_kv, b = bh_kv / p.nheads_kv;
+  const int n0 = n_block * BN;
+  const int group = p.nheads_q / p.nheads_kv;
+
+  const MaskGeometry mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  const int query_begin = mask.query_begin(n0);
+  const int query_end = mask.query_end(min(n0 + BN, p.seqlen_k));
+  const int m_first = query_begin / BM;
+  const int num_m = query_end > query_begin ? (query_end + BM - 1) / BM - m_first : 0;
+  const int m_last = m_first + num_m - 1;
+  const int num_iters = group * num_m;
+
+  // The queries [visible_begin, visible_end) that see each of this lane's two key rows
+  // (rows g and g+8 of the warp's 16): the element mask of a straddling tile is then two
+  // compares per score. A key past seqlen_k gets an empty range.
+  int visible_begin[2], visible_end[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = n0 + key_row0 + g + 8 * half;
+    visible_begin[half] = mask.query_begin(key);
+    visible_end[half] = key < p.seqlen_k ? mask.query_end(key + 1) : 0;
+  }
+
+  // The iterations walk the query heads of the group in order and, per head, the query blocks
+  // from m_last down to m_first.
+  auto load_query_block = [&](int h, int m_block, int stage) {
+    const int m0 = m_block * BM;
+    QTile::template load_async<kThreads>(
+        smem_base + Tile::kOffQ + stage * QTile::kBytes,
+        element_at(static_cast<const Element*>(p.q), p.q_strides, b, m0, h), p.q_strides.row,
+        p.seqlen_q - m0, p.head_dim, tid);
+    QTile::template load_async<kThreads>(
+        smem_base + Tile::kOffDO + stage * QTile::kBytes,
+        element_at(static_cast<const Element*>(p.dout), p.dout_strides, b, m0, h),
+        p.dout_strides.row, p.seqlen_q - m0, p.head_dim, tid);
+    // The workspaces are padded to whole blocks, so these 16-byte copies are always in range.
+    const int64_t row = (static_cast<int64_t>(b) * p.nheads_q + h) * p.seqlen_q_rounded + m0;
+    if (tid < BM / 4) {
+      cp_async_16(smem_base + Tile::kOffLse + stage * BM * 4 + tid * 16, p.lse_log2 + row + tid * 4,
+                  true);
+    } else if (tid < BM / 2) {
+      const int c = tid - BM / 4;
+      cp_async_16(smem_base + Tile::kOffD + stage * BM * 4 + c * 16, p.softmax_d + row + c * 4,
+                  true);
+    }
+  };
+
+  float acc_dk[kDTiles][4] = {};
+  float acc_dv[kDTiles][4] = {};
+
+  if (num_iters > 0) {
+    KVTile::template load_async<kThreads>(
+        smem_base + Tile::kOffK,
+        element_at(static_cast<const Element*>(p.k), p.k_strides, b, n0, h_kv), p.k_strides.row,
+        p.seqlen_k - n0, p.head_dim, tid);
+    KVTile::template load_async<kThreads>(
+        smem_base + Tile::kOffV,
+        element_at(static_cast<const Element*>(p.v), p.v_strides, b, n0, h_kv), p.v_strides.row,
+        p.seqlen_k - n0, p.head_dim, tid);
+    load_query_block(h_kv * group, m_last, 0);
+    cp_async_commit();
+  }
+
+  // Lane addresses of every ldmatrix, without the stage and k-step offsets.
+  const uint32_t k_as_a = smem_base + Tile::kOffK + ldsm_offset_colmajor<KVTile>(lane) +
+                          tile_offset<KVTile>(key_row0, 0);
+  const uint32_t v_as_a = smem_base + Tile::kOffV + ldsm_offset_colmajor<KVTile>(lane) +
+                          tile_offset<KVTile>(key_row0, 0);
+  const uint32_t k_as_b = smem_base + Tile::kOffK + ldsm_offset_colmajor<KVTile>(lane) +
+                          tile_offset<KVTile>(0, dq_col0);
+  const uint32_t qdo_as_bt = ldsm_offset_rowmajor<QTile>(lane) + tile_offset<QTile>(query_col0, 0);
+  const uint32_t qdo_as_b = ldsm_offset_colmajor<QTile>(lane) + tile_offset<QTile>(0, dim_col0);
+  const uint32_t ds_as_at = smem_base + Tile::kOffDS + ldsm_offset_rowmajor<ScoreTile>(lane) +
+                            tile_offset<ScoreTile>(0, dq_row0);
+  const uint32_t scores_as_a =
+      ldsm_offset_colmajor<ScoreTile>(lane) + tile_offset<ScoreTile>(key_row0, 0);
+
+  int h = h_kv * group, m_block = m_last;
+  for (int it = 0; it < num_iters; ++it) {
+    const int stage = Tile::kStages == 2 ? (it & 1) : 0;
+    const bool next_in_head = m_block > m_first;
+    const int next_h = next_in_head ? h : h + 1;
+    const int next_m_block = next_in_head ? m_block - 1 : m_last;
+    if (Tile::kStages == 1 && it > 0) {
+      __syncthreads();  // every warp is done with the single stage
+      load_query_block(h, m_block, 0);
+      cp_async_commit();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (Tile::kStages == 2 && it + 1 < num_iters) {
+      load_query_block(next_h, next_m_block, stage ^ 1);
+      cp_async_commit();
+    }
+
+    const int m0 = m_block * BM;
+    const uint32_t q_stage = smem_base + Tile::kOffQ + stage * QTile::kBytes;
+    const uint32_t do_stage = smem_base + Tile::kOffDO + stage * QTile::kBytes;
+    const float* lse2_s = reinterpret_cast<const float*>(smem + Tile::kOffLse + stage * BM * 4);
+    const float* d_s = reinterpret_cast<const float*>(smem + Tile::kOffD + stage * BM * 4);
+
+    // Sᵀ = K Qᵀ, then Pᵀ, kept rounded to Element pairs: that is the A operand of dV += Pᵀ dO
+    // as it is, and it frees 16 registers while dPᵀ is computed.
+    uint32_t pt[kQTiles][2];
+    {
+      float s[kQTiles][4] = {};
+      mma_a_bt<Element, KVTile, QTile, W, kQTiles>(s, k_as_a, q_stage + qdo_as_bt);
+      const bool masked = !mask.tile_fully_visible(m0, min(m0 + BM, p.seqlen_q), n0, n0 + BN);
+#pragma unroll
+      for (int j = 0; j < kQTiles; ++j) {
+        const int col = query_col0 + 8 * j + 2 * t;
+        const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          // lse2 = +inf (a row that sees no key, or padding) gives exp2(-inf) = 0, never NaN.
+          const float x =
+              fast_exp2(fmaf(s[j][e], p.softmax_scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+          const int query = m0 + col + (e & 1);
+          const bool visible = query >= visible_begin[e >> 1] && query < visible_end[e >> 1];
+          s[j][e] = masked && !visible ? 0.f : x;
+        }
+        pt[j][0] = MmaElement<Element>::pack(s[j][0], s[j][1]);
+        pt[j][1] = MmaElement<Element>::pack(s[j][2], s[j][3]);
+      }
+    }
+
+    if constexpr (Tile::kWarpsD == 1) {
+      // dV += Pᵀ dO with Pᵀ straight from registers.
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        const uint32_t a[4] = {pt[2 * kk][0], pt[2 * kk][1], pt[2 * kk + 1][0], pt[2 * kk + 1][1]};
+        mma_step_a_b<Element, QTile, kDTiles>(acc_dv, a,
+                                              do_stage + qdo_as_b + tile_offset<QTile>(16 * kk, 0));
+      }
+    } else {
+      store_packed<ScoreTile>(smem + Tile::kOffP, pt, key_row0, query_col0, lane);
+    }
+
+    // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − D) in place.
+    float dp[kQTiles][4] = {};
+    mma_a_bt<Element, KVTile, QTile, W, kQTiles>(dp, v_as_a, do_stage + qdo_as_bt);
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j) {
+      const float2 dsum = *reinterpret_cast<const float2*>(d_s + query_col0 + 8 * j + 2 * t);
+      const float2 p_lo = unpack_pair<Element>(pt[j][0]);  // row g
+      const float2 p_hi = unpack_pair<Element>(pt[j][1]);  // row g + 8
+      dp[j][0] = p_lo.x * (dp[j][0] - dsum.x);
+      dp[j][1] = p_lo.y * (dp[j][1] - dsum.y);
+      dp[j][2] = p_hi.x * (dp[j][2] - dsum.x);
+      dp[j][3] = p_hi.y * (dp[j][3] - dsum.y);
+    }
+    store_accumulator<Element, ScoreTile>(smem + Tile::kOffDS, dp, key_row0, query_col0, lane, 1.f);
+    if constexpr (Tile::kWarpsD == 1) {
+      // dK += dSᵀ Q with dSᵀ straight from the accumulators.
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t a[4];
+        accumulator_as_a<Element>(a, dp, kk);
+        mma_step_a_b<Element, QTile, kDTiles>(acc_dk, a,
+                                              q_stage + qdo_as_b + tile_offset<QTile>(16 * kk, 0));
+      }
+    }
+    __syncthreads();  // dSᵀ (and Pᵀ) of every warp are in shared memory
+    if constexpr (Tile::kWarpsD > 1) {
+      // Both warps of a key-row pair need Pᵀ and dSᵀ over all BM queries. Each k-step has 2 x
+      // 8 independent mma already; unrolling further only lengthens register lifetimes (spills
+      // at W = 256).
+#pragma unroll 1
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, smem_base + Tile::kOffP + scores_as_a + tile_offset<ScoreTile>(0, 16 * kk));
+        mma_step_a_b<Element, QTile, kDTiles>(acc_dv, a,
+                                              do_stage + qdo_as_b + tile_offset<QTile>(16 * kk, 0));
+        ldmatrix_x4(a, smem_base + Tile::kOffDS + scores_as_a + tile_offset<ScoreTile>(0, 16 * kk));
+        mma_step_a_b<Element, QTile, kDTiles>(acc_dk, a,
+                                              q_stage + qdo_as_b + tile_offset<QTile>(16 * kk, 0));
+      }
+    }
+
+    // dQ_accum += dS K, a chunk of head dims at a time.
+    int* semaphore = nullptr;
+    int turn = 0;
+    if (p.deterministic) {
+      semaphore = p.dq_semaphore +
+                  (static_cast<int64_t>(b) * p.nheads_q + h) * (p.seqlen_q_rounded / kMinBlockM) +
+                  m_block;
+      turn = n_block - mask.key_begin(m0) / BN;
+      if (tid == 0) {
+        while (load_acquire(semaphore) != turn) {
+        }
+      }
+      __syncthreads();
+    }
+    // This lane's first element of the dQ tile; the rest are at compile-time offsets.
+    float* dq_lane = p.dq_accum +
+                     ((static_cast<int64_t>(b) * p.nheads_q + h) * p.seqlen_q_rounded + m0) * W +
+                     (dq_row0 + g) * W + dq_col0 + 2 * t;
+    const int dq_rows_left = p.seqlen_q - m0 - dq_row0 - g;
+#pragma unroll 1
+    for (int chunk = 0; chunk < W; chunk += Tile::kDqChunk) {
+      float acc[kDqMTiles][kDqNTiles][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[kDqMTiles][4];
+#pragma unroll
+        for (int mi = 0; mi < kDqMTiles; ++mi)
+          ldmatrix_x4_trans(a[mi], ds_as_at + tile_offset<ScoreTile>(16 * kk, 16 * mi));
+#pragma unroll
+        for (int jp = 0; jp < kDqNTiles / 2; ++jp) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, k_as_b + tile_offset<KVTile>(16 * kk, chunk + 16 * jp));
+#pragma unroll
+          for (int mi = 0; mi < kDqMTiles; ++mi) {
+            MmaElement<Element>::mma(acc[mi][2 * jp], a[mi], bk[0], bk[1]);
+            MmaElement<Element>::mma(acc[mi][2 * jp + 1], a[mi], bk[2], bk[3]);
+          }
+        }
+      }
+      // Rows past seqlen_q only ever add zeros (and cost L2 atomics): skip them. Columns past
+      // head_dim add zeros to the padding of dq_accum, which nothing reads.
+#pragma unroll
+      for (int mi = 0; mi < kDqMTiles; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (16 * mi + 8 * half < dq_rows_left) {
+#pragma unroll
+            for (int jd = 0; jd < kDqNTiles; ++jd)
+              red_add_pair(dq_lane + (16 * mi + 8 * half) * W + chunk + 8 * jd,
+                           acc[mi][jd][2 * half], acc[mi][jd][2 * half + 1]);
+          }
+        }
+      }
+    }
+    if (p.deterministic) {
+      __syncthreads();  // every thread's adds precede the release below (cumulativity)
+      if (tid == 0) {
+        __threadfence();
+        store_release(semaphore, turn + 1);
+      }
+    }
+    h = next_h;
+    m_block = next_m_block;
+  }
+
+  // dK·scale and dV through shared memory (K and V are no longer read), then coalesced
+  // 16-byte stores of the rows < seqlen_k and columns < head_dim.
+  __syncthreads();
+  store_accumulator<Element, KVTile>(smem + Tile::kOffK, acc_dk, key_row0, dim_col0, lane,
+                                     p.softmax_scale);
+  store_accumulator<Element, KVTile>(smem + Tile::kOffV, acc_dv, key_row0, dim_col0, lane, 1.f);
+  __syncthreads();
+  Element* dk = element_at(static_cast<Element*>(p.dk), p.dk_strides, b, n0, h_kv);
+  Element* dv = element_at(static_cast<Element*>(p.dv), p.dv_strides, b, n0, h_kv);
+  const int valid_rows = min(BN, p.seqlen_k - n0);
+  for (int chunk = tid; chunk < BN * KVTile::kChunksPerRow; chunk += kThreads) {
+    const int row = chunk / KVTile::kChunksPerRow;
+    const int col = (chunk % KVTile::kChunksPerRow) * 8;
+    if (row < valid_rows && col < p.head_dim) {
+      *reinterpret_cast<uint4*>(dk + row * p.dk_strides.row + col) =
+          *reinterpret_cast<const uint4*>(smem + Tile::kOffK + tile_offset<KVTile>(row, col));
+      *reinterpret_cast<uint4*>(dv + row * p.dv_strides.row + col) =
+          *reinterpret_cast<const uint4*>(smem + Tile::kOffV + tile_offset<KVTile>(row, col));
+    }
+  }
+}
+
+}  // namespace backward
+}  // namespace flashattn

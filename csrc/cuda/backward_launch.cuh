@@ -1,0 +1,168 @@
+// Launch layer of the backward pass: the tile plan, the workspace geometry and the three
+// launches. The part above the __CUDACC__ guard is plain host C++, so backward_entry.cpp can
+// size the workspaces and call the explicit instantiations (instantiations/bwd_hdim*.cu)
+// without compiling any device code.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention_params.h"
+#include "device_limits.h"
+
+namespace flashattn {
+
+// What the caller allocates (fp32 / int32, all uninitialised; the launch zeroes what it needs):
+//   dq_accum  (batch, nheads_q, seqlen_q_rounded, head_dim_rounded)
+//   softmax_d, lse_log2  (batch, nheads_q, seqlen_q_rounded)
+//   dq_semaphore  batch * nheads_q * semaphores_per_head, only when deterministic
+struct BackwardWorkspaceGeometry {
+  int64_t seqlen_q_rounded;
+  int64_t head_dim_rounded;
+  int64_t semaphores_per_head;
+};
+
+// Must agree with backward::kQueryRowRounding and backward::kMinBlockM (backward_kernel.cuh,
+// checked there by static_assert).
+constexpr int kBackwardQueryRowRounding = 128;
+constexpr int kBackwardMinBlockM = 16;
+
+inline BackwardWorkspaceGeometry backward_workspace_geometry(int64_t seqlen_q, int head_dim_tile) {
+  const int64_t rounded =
+      (seqlen_q + kBackwardQueryRowRounding - 1) / kBackwardQueryRowRounding * kBackwardQueryRowRounding;
+  return {rounded, head_dim_tile, rounded / kBackwardMinBlockM};
+}
+
+// params must carry the workspace pointers and seqlen_q_rounded / head_dim_rounded from
+// backward_workspace_geometry(params.seqlen_q, kHeadDimTile).
+template <typename Element, int kHeadDimTile>
+cudaError_t launch_attention_backward(const AttentionBwdParams& params, const DeviceLimits& limits,
+                                      cudaStream_t stream);
+
+}  // namespace flashattn
+
+#if defined(__CUDACC__)
+
+#include <algorithm>
+
+#include "backward_kernel.cuh"
+
+namespace flashattn {
+namespace backward {
+
+static_assert(kQueryRowRounding == kBackwardQueryRowRounding && kMinBlockM == kBackwardMinBlockM,
+              "host and device workspace geometry disagree");
+
+// The tile plan, per head-dim tile W: BackwardTile<W, BN, BM, kWarpsD, kStages, kDqWarpsQ,
+// kDqChunk>. What bounds it:
+//  - registers: a warp owns 16 key rows; its dK + dV accumulators cost W / kWarpsD fp32
+//    registers per thread and the Sᵀ/dPᵀ accumulators BM / kWarpsD / 2 more, so W <= 128 runs
+//    kWarpsD = 1 with BM = 64 (128 + 64 at W = 128), W = 192/256 split the head dimension over
+//    a warp pair (kWarpsD = 2). The dQ chunk keeps its accumulators at 24-48 registers.
+//  - shared memory: K, V (BN rows), kStages x (Q, dO) (BM rows), dSᵀ (+ Pᵀ when kWarpsD = 2),
+//    all padded by 16 bytes a row. Large plans (8 warps, BN = 128 for W <= 128, 64 above) need
+//    59 / 91 / 123 / 155 / 169 / 217 KB for W = 32 ... 256: d 256 fits the 227 KB a Hopper
+//    block may opt into, A100's 163 KB takes the large plan up to W = 128. The small plans
+//    (4 warps) fit the ~99 KB of sm_86/89/120: 88 KB (W 96), 73.5 KB (128), 80.5 KB (192),
+//    71 KB (256, single-buffered); W <= 64 fits everywhere with the large plan.
+template <int W>
+struct BackwardPlans;
+template <>
+struct BackwardPlans<32> {
+  using Large = BackwardTile<32, 128, 64, 1, 2, 4, 32>;
+  using Small = Large;
+};
+template <>
+struct BackwardPlans<64> {
+  using Large = BackwardTile<64, 128, 64, 1, 2, 2, 64>;
+  using Small = Large;
+};
+template <>
+struct BackwardPlans<96> {
+  using Large = BackwardTile<96, 128, 64, 1, 2, 4, 96>;
+  using Small = BackwardTile<96, 64, 64, 1, 2, 2, 96>;
+};
+template <>
+struct BackwardPlans<128> {
+  using Large = BackwardTile<128, 128, 64, 1, 2, 2, 128>;
+  using Small = BackwardTile<128, 64, 32, 1, 2, 1, 128>;
+};
+template <>
+struct BackwardPlans<192> {
+  using Large = BackwardTile<192, 64, 64, 2, 2, 2, 192>;
+  using Small = BackwardTile<192, 32, 32, 2, 2, 1, 192>;
+};
+template <>
+struct BackwardPlans<256> {
+  using Large = BackwardTile<256, 64, 64, 2, 2, 2, 128>;
+  using Small = BackwardTile<256, 32, 32, 2, 1, 1, 128>;
+};
+
+inline unsigned int grid_stride_blocks(int64_t work_items, int items_per_block) {
+  const int64_t blocks = (work_items + items_per_block - 1) / items_per_block;
+  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1 << 20)));
+}
+
+template <typename Element, typename Tile>
+cudaError_t launch_with_tile(const AttentionBwdParams& p, cudaStream_t stream) {
+  const int64_t heads = static_cast<int64_t>(p.batch) * p.nheads_q;
+  cudaError_t err = cudaMemsetAsync(
+      p.dq_accum, 0, sizeof(float) * heads * p.seqlen_q_rounded * p.head_dim_rounded, stream);
+  if (err != cudaSuccess) return err;
+  if (p.deterministic) {
+    err = cudaMemsetAsync(p.dq_semaphore, 0,
+                          sizeof(int) * heads * (p.seqlen_q_rounded / kMinBlockM), stream);
+    if (err != cudaSuccess) return err;
+  }
+
+  attention_backward_preprocess_kernel<Element>
+      <<<grid_stride_blocks(heads * p.seqlen_q_rounded, kPrepThreads / kPrepLanesPerRow),
+         kPrepThreads, 0, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  const int64_t num_n_blocks = (p.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
+  const int64_t blocks = static_cast<int64_t>(p.batch) * p.nheads_kv * num_n_blocks;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  auto kernel = attention_backward_kernel<Element, Tile>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Tile::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned int>(blocks), Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  attention_backward_postprocess_kernel<Element>
+      <<<grid_stride_blocks(heads * p.seqlen_q * (p.head_dim / 8), kPostThreads), kPostThreads, 0,
+         stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace backward
+
+template <typename Element, int kHeadDimTile>
+cudaError_t launch_attention_backward(const AttentionBwdParams& params, const DeviceLimits& limits,
+                                      cudaStream_t stream) {
+  using Plans = backward::BackwardPlans<kHeadDimTile>;
+  if (params.head_dim_rounded != kHeadDimTile ||
+      params.seqlen_q_rounded % kBackwardQueryRowRounding != 0 ||
+      params.seqlen_q_rounded < params.seqlen_q)
+    return cudaErrorInvalidValue;
+  if (Plans::Large::kSmemBytes <= limits.max_smem_per_block)
+    return backward::launch_with_tile<Element, typename Plans::Large>(params, stream);
+  if (Plans::Small::kSmemBytes <= limits.max_smem_per_block)
+    return backward::launch_with_tile<Element, typename Plans::Small>(params, stream);
+  return cudaErrorInvalidConfiguration;
+}
+
+// Explicit instantiations of one head-dim tile for both element types (one .cu per width).
+#define FLASHATTN_INSTANTIATE_BACKWARD(W)                                                   \
+  template cudaError_t launch_attention_backward<__nv_bfloat16, W>(                         \
+      const AttentionBwdParams&, const DeviceLimits&, cudaStream_t);                        \
+  template cudaError_t launch_attention_backward<__half, W>(const AttentionBwdParams&,      \
+                                                            const DeviceLimits&, cudaStream_t);
+
+}  // namespace flashattn
+
+#endif  // __CUDACC__

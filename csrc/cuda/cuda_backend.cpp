@@ -1,0 +1,92 @@
+#include "cuda_backend.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+namespace flashattn {
+namespace {
+bool cuda_dtype_supported(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+}  // namespace
+
+const BackendFeatures& cuda_features() {
+  static const BackendFeatures features{"CUDA", /*softcap=*/false, /*alibi=*/false,
+                                        /*dropout=*/false, &cuda_dtype_supported};
+  return features;
+}
+
+void check_cuda_device(const at::Tensor& q) {
+  // Read through the runtime rather than ATen/cuda/CUDAContext.h, whose headers
+  // need the cuBLAS/cuSPARSE development files that a minimal toolkit lacks.
+  int major = 0, minor = 0;
+  const int device = q.device().index();
+  check_cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                    "reading the compute capability");
+  check_cuda_status(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                    "reading the compute capability");
+  TORCH_CHECK(major >= 8, "flashattn_ext: the CUDA kernels need compute capability 8.0 or newer, "
+              "got ", major, ".", minor, " for q on ", q.device());
+}
+
+DeviceLimits device_limits(const at::Tensor& q) {
+  static std::mutex mutex;
+  static std::vector<DeviceLimits> cache;
+  const int device = q.device().index();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device >= static_cast<int>(cache.size())) cache.resize(device + 1, DeviceLimits{0, 0});
+  if (cache[device].num_sms == 0) {
+    DeviceLimits limits{};
+    check_cuda_status(cudaDeviceGetAttribute(&limits.max_smem_per_block,
+                                             cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                      "reading the shared-memory limit");
+    check_cuda_status(cudaDeviceGetAttribute(&limits.num_sms, cudaDevAttrMultiProcessorCount, device),
+                      "reading the multiprocessor count");
+    cache[device] = limits;
+  }
+  return cache[device];
+}
+
+at::Tensor with_16_byte_rows(const at::Tensor& t) {
+  bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d < 3; ++d)
+    aligned = aligned && (t.size(d) <= 1 || (t.stride(d) * t.element_size()) % 16 == 0);
+  return aligned ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+void check_cuda_status(cudaError_t status, const char* what) {
+  TORCH_CHECK(status == cudaSuccess, "flashattn_ext: ", what, " failed: ", cudaGetErrorName(status),
+              ": ", cudaGetErrorString(status));
+}
+
+void fail_head_dim_not_compiled(int64_t head_dim) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "flashattn_ext: head_dim ", head_dim, " needs a tile width "
+                              "this build did not compile (compiled: ", compiled_head_dim_tiles(),
+                              "); rebuild with FLASHATTN_HEAD_DIMS unset");
+}
+
+const char* compiled_head_dim_tiles() {
+  return ""
+#ifdef FLASHATTN_TILE_32
+         "32 "
+#endif
+#ifdef FLASHATTN_TILE_64
+         "64 "
+#endif
+#ifdef FLASHATTN_TILE_96
+         "96 "
+#endif
+#ifdef FLASHATTN_TILE_128
+         "128 "
+#endif
+#ifdef FLASHATTN_TILE_192
+         "192 "
+#endif
+#ifdef FLASHATTN_TILE_256
+         "256 "
+#endif
+      ;
+}
+
+}  // namespace flashattn

@@ -1,0 +1,33 @@
+// Torch-side helpers shared by the CUDA forward and backward entry points.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+
+#include "attention_api.h"
+#include "head_dim_tiles.h"
+
+namespace flashattn {
+
+// Features and dtypes the CUDA kernels implement (argument checks refuse the rest).
+const BackendFeatures& cuda_features();
+
+// Refuses devices older than sm_80 (no bf16 mma.sync / cp.async) by name.
+void check_cuda_device(const at::Tensor& q);
+
+// Limits of q's device, read once per device and cached.
+DeviceLimits device_limits(const at::Tensor& q);
+
+// Throws with the CUDA error string when a launch (or its planning) failed.
+void check_cuda_status(cudaError_t status, const char* what);
+
+// The kernels move rows in 16-byte pieces (cp.async, vector loads and stores), so a
+// tensor whose data pointer or (batch, row, head) strides are not 16-byte multiples,
+// such as a view at an odd element offset, is copied to a fresh contiguous one;
+// every other layout is read in place.
+at::Tensor with_16_byte_rows(const at::Tensor& t);
+
+// Error for a head_dim whose tile width this build did not compile.
+[[noreturn]] void fail_head_dim_not_compiled(int64_t head_dim);
+
+}  // namespace flashattn

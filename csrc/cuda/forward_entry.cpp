@@ -1,0 +1,54 @@
+// CUDA forward op: checks, device guard, outputs, then the kernel for q's dtype
+// and head-dim tile on the current stream.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "attention_api.h"
+#include "attention_ops.h"
+#include "cuda_backend.h"
+#include "forward_launch.h"
+
+namespace flashattn {
+namespace {
+
+struct ForwardLauncher {
+  const AttentionFwdParams& params;
+  DeviceLimits limits;
+  cudaStream_t stream;
+
+  template <int W>
+  cudaError_t launch() const {
+    return params.is_bf16 ? launch_attention_forward<__nv_bfloat16, W>(params, limits, stream)
+                          : launch_attention_forward<__half, W>(params, limits, stream);
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS) {
+  const AttentionOptions opts{softmax_scale, causal,  window_left, window_right,
+                              softcap,       alibi_slopes, dropout_p, rng_state};
+  check_forward_inputs(q, k, v, opts, cuda_features());
+  check_cuda_device(q);
+  const c10::cuda::CUDAGuard device_guard(q.device());
+
+  auto [out, lse] = allocate_forward_outputs(q);
+  if (is_empty_problem(q, k)) {
+    out.zero_();
+    lse.fill_(std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  // Named, so that any copies outlive the kernel that reads them.
+  const at::Tensor q_16 = with_16_byte_rows(q), k_16 = with_16_byte_rows(k), v_16 = with_16_byte_rows(v);
+  const AttentionFwdParams params = make_forward_params(q_16, k_16, v_16, out, lse, opts);
+  const ForwardLauncher launcher{params, device_limits(q), c10::cuda::getCurrentCUDAStream().stream()};
+  cudaError_t status = cudaSuccess;
+  if (!dispatch_head_dim_tile(params.head_dim, launcher, &status))
+    fail_head_dim_not_compiled(params.head_dim);
+  check_cuda_status(status, "the forward kernel launch");
+  return {out, lse};
+}
+
+}  // namespace flashattn

@@ -1,0 +1,90 @@
+// Launch layer of the forward kernel: the tile plan, the shared-memory opt-in,
+// the grid. Included only by the instantiation files (instantiations/fwd_*.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+
+#include "forward_kernel.cuh"
+#include "forward_launch.h"
+
+namespace flashattn {
+
+// The tile plan: block shape per head-dim tile width W, the one place these are chosen.
+// What bounds them:
+//  - registers: each thread holds its rows' O accumulator (rows_per_warp * W / 32
+//    floats) and S block (rows_per_warp * kBlockN / 32 floats) within 255;
+//  - shared-memory bandwidth: a warp reads all of K and V per block, so a warp
+//    owning 32 rows (two m16 tiles) halves those reads per FLOP against 16 rows;
+//    that is kept wherever the registers allow (W <= 128);
+//  - shared memory: Q (kBlockM x W) + K + V (kBlockN x W each), padded rows, must
+//    fit the device's opt-in limit: 227 KB on sm_90, 163 KB on sm_80, 99 KB on
+//    sm_86/89, where the large widths fall back to a smaller tile.
+template <int W>
+struct ForwardTilePlan;
+template <>
+struct ForwardTilePlan<32> {
+  using Primary = ForwardTileShape<32, 128, 128, 8>;
+  using Fallback = Primary;
+};
+template <>
+struct ForwardTilePlan<64> {
+  using Primary = ForwardTileShape<64, 128, 64, 4>;
+  using Fallback = Primary;
+};
+template <>
+struct ForwardTilePlan<96> {
+  using Primary = ForwardTileShape<96, 128, 64, 8>;
+  using Fallback = Primary;
+};
+template <>
+struct ForwardTilePlan<128> {
+  using Primary = ForwardTileShape<128, 128, 64, 4>;
+  using Fallback = Primary;
+};
+template <>
+struct ForwardTilePlan<192> {
+  using Primary = ForwardTileShape<192, 128, 32, 8>;
+  using Fallback = ForwardTileShape<192, 64, 32, 4>;
+};
+template <>
+struct ForwardTilePlan<256> {
+  using Primary = ForwardTileShape<256, 128, 64, 8>;
+  using Fallback = ForwardTileShape<256, 64, 32, 4>;
+};
+
+template <typename Element, typename Shape>
+cudaError_t launch_forward_with_shape(const AttentionFwdParams& params, cudaStream_t stream) {
+  const auto kernel = attention_forward_kernel<Element, Shape>;
+  constexpr int kSmem = Shape::kSmemBytes;
+  if (kSmem > 48 * 1024) {
+    const cudaError_t status =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (status != cudaSuccess) return status;
+  }
+  const int64_t num_m_blocks = (params.seqlen_q + Shape::kBlockM - 1) / Shape::kBlockM;
+  const int64_t blocks = num_m_blocks * params.batch * params.nheads_q;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(blocks), Shape::kThreads, kSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <typename Element, int W>
+cudaError_t launch_attention_forward(const AttentionFwdParams& params, const DeviceLimits& limits,
+                                     cudaStream_t stream) {
+  using Plan = ForwardTilePlan<W>;
+  if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block)
+    return launch_forward_with_shape<Element, typename Plan::Primary>(params, stream);
+  if (Plan::Fallback::kSmemBytes <= limits.max_smem_per_block)
+    return launch_forward_with_shape<Element, typename Plan::Fallback>(params, stream);
+  return cudaErrorInvalidConfiguration;
+}
+
+#define FLASHATTN_INSTANTIATE_FORWARD(W)                                                       \
+  template cudaError_t launch_attention_forward<__nv_bfloat16, W>(                            \
+      const AttentionFwdParams&, const DeviceLimits&, cudaStream_t);                          \
+  template cudaError_t launch_attention_forward<__half, W>(const AttentionFwdParams&,         \
+                                                           const DeviceLimits&, cudaStream_t);
+
+}  // namespace flashattn

@@ -1,0 +1,17 @@
+// The forward launch entry, as the torch-side code sees it (the template
+// definitions are in forward_launch.cuh, compiled only in instantiations/).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "attention_params.h"
+#include "device_limits.h"
+
+namespace flashattn {
+
+// Runs the forward for one compiled head-dim tile width W (>= params.head_dim) on `stream`.
+template <typename Element, int W>
+cudaError_t launch_attention_forward(const AttentionFwdParams& params, const DeviceLimits& limits,
+                                     cudaStream_t stream);
+
+}  // namespace flashattn

@@ -1,0 +1,202 @@
+"""flash-attn 2.x compatible functions: flash_attn_func, flash_attn_qkvpacked_func,
+flash_attn_kvpacked_func.
+
+Same argument names, defaults and return conventions as flash-attn 2.x; layout
+(batch, seqlen, nheads, head_dim); MQA/GQA when nheads of k/v divides that of q;
+causal with seqlen_q != seqlen_k aligned bottom-right (flash-attn >= 2.1).
+
+Strides: only the last dimension need be contiguous. Every other stride goes to
+the kernel as given (no copy), so slices of a packed qkv tensor, transposed
+storage and expanded heads all run in place. The one copy made is for a head
+dim that is not a multiple of 8: it is padded with zeros to the next multiple
+(the op requires it, as in flash-attn), and the output is sliced back.
+
+Differences from flash-attn, all deliberate:
+
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``. flash-attn's
+  third value is the attention-probability matrix with the dropout pattern,
+  meant for testing only; materialising it is what this library exists to
+  avoid, so it is never computed.
+* The returned softmax_lse has no gradient: a loss that depends on it gets
+  none through it (as in flash-attn, whose backward ignores it too).
+* A row that sees no key (possible with a sliding window, or causal with
+  seqlen_q > seqlen_k) gets out = 0 and lse = +inf.
+* Devices: CPU (fp32, fp64, bf16, fp16; every feature but dropout) and CUDA
+  (fp16, bf16) where the build has the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import checks
+from . import ops
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _pad_head_dim(t: torch.Tensor, padded: int) -> torch.Tensor:
+    # Zero columns change neither q·k nor the output's first head_dim columns.
+    if t.size(-1) == padded:
+        return t
+    return F.pad(t, [0, padded - t.size(-1)])
+
+
+def _draw_rng_state(device: torch.device) -> torch.Tensor:
+    """[seed, offset] (int64) for a dropout call, drawn from torch's generator of
+    ``device``: torch.manual_seed makes the mask reproducible, and each call
+    advances the generator so consecutive calls get different masks. The
+    backward reuses the same tensor, so it regenerates the forward's mask."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+    offset = torch.zeros(1, dtype=torch.int64, device=device)
+    return torch.cat([seed, offset])
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """Forward and backward through the two ops, remembering ``deterministic``
+    for the backward (the forward op's schema has no such argument, so the op's
+    own autograd formula in ops.py cannot carry it). torch.compile traces this
+    Function and sees each op as one opaque node."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                alibi_slopes, dropout_p, rng_state, deterministic):
+        out, lse = ops.attention_forward(q, k, v, softmax_scale, causal, window_left, window_right,
+                                         softcap, alibi_slopes, dropout_p, rng_state)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.window_left = window_left
+        ctx.window_right = window_right
+        ctx.softcap = softcap
+        ctx.dropout_p = dropout_p
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        del dlse  # lse has no gradient (see the module docstring)
+        q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
+        dq, dk, dv = ops.run_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                                      ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes,
+                                      ctx.dropout_p, rng_state,
+                                      ctx.deterministic or torch.are_deterministic_algorithms_enabled())
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               deterministic, return_attn_probs):
+    checks.check_qkv(q, k, v, require_aligned_head_dim=False)
+    window_left, window_right = checks.check_window_size(window_size)
+    head_dim = q.size(-1)
+    if softmax_scale is None:
+        # From the head dim the caller gave, not the padded one (1 for an empty head dim).
+        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
+    softmax_scale = float(softmax_scale)
+    checks.check_softmax_scale(softmax_scale)
+    dropout_p = float(dropout_p)
+    checks.check_dropout_p(dropout_p)
+    softcap = float(softcap)
+    checks.check_softcap(softcap)
+    checks.check_alibi_slopes(alibi_slopes, q)
+
+    rng_state = _draw_rng_state(q.device) if dropout_p > 0.0 else None
+
+    padded = _round_up(head_dim, checks.HEAD_DIM_ALIGNMENT)
+    q_p, k_p, v_p = (_pad_head_dim(t, padded) for t in (q, k, v))
+    out, lse = _FlashAttnFunction.apply(q_p, k_p, v_p, softmax_scale, bool(causal), window_left,
+                                        window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                                        bool(deterministic))
+    if padded != head_dim:
+        out = out[..., :head_dim]
+    if return_attn_probs:
+        return out, lse, None
+    return out
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Exact attention softmax(q·kᵀ·scale + bias)·v without materialising the scores.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, head_dim)
+        k, v: (batch, seqlen_k, nheads_kv, head_dim); nheads % nheads_kv == 0 (MQA/GQA).
+            head_dim <= 256; one not a multiple of 8 is zero-padded internally.
+        dropout_p: dropout probability in [0, 1). Pass 0.0 at evaluation. Values > 0
+            are plumbed through (an RNG state is drawn from torch's generator) but
+            no backend implements dropout yet: NotImplementedError.
+        softmax_scale: scale of q·kᵀ; default 1/sqrt(head_dim).
+        causal: causal mask aligned to the bottom-right corner of the score matrix.
+        window_size: (left, right) sliding window; -1 means unbounded. Query i sees
+            key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
+        softcap: > 0 applies softcap·tanh(score / softcap) before the bias.
+        alibi_slopes: fp32 (nheads,) or (batch, nheads); adds -slope·|i + seqlen_k - seqlen_q - j|.
+        deterministic: deterministic backward (the CPU backward always is).
+        return_attn_probs: also return softmax_lse and None (see the module docstring).
+
+    Returns:
+        out (batch, seqlen_q, nheads, head_dim); with return_attn_probs,
+        (out, softmax_lse (batch, nheads, seqlen_q) fp32, None).
+    """
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """flash_attn_func on qkv (batch, seqlen, 3, nheads, head_dim).
+
+    q, k and v are read in place as strided slices of qkv (no copy); the
+    gradient comes back as one tensor of qkv's shape.
+    """
+    checks.check_packed(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, head_dim)")
+    q, k, v = qkv.unbind(dim=2)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """flash_attn_func on q (batch, seqlen_q, nheads, head_dim) and
+    kv (batch, seqlen_k, 2, nheads_kv, head_dim); k and v are strided slices of kv."""
+    checks.check_is_tensor(q, "q")
+    checks.check_packed(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_kv, head_dim)")
+    k, v = kv.unbind(dim=2)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs)

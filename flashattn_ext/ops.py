@@ -1,0 +1,123 @@
+"""Fake (meta) kernels and autograd of the ops defined in csrc/ops_schema.cpp.
+
+The ops themselves (schemas and the CPU/CUDA kernels) come from the C++
+library, loaded by ``import flashattn_ext._C``. This module adds what the C++
+side leaves to Python:
+
+* ``register_fake``: the output metadata of each op, exactly as the kernels
+  produce it, so torch.compile / torch.export / FakeTensor tracing treat each
+  op as one opaque node (no graph break, no data access).
+* ``register_autograd`` for ``attention_forward``: its backward is the
+  ``attention_backward`` op, which recomputes the attention blocks from q, k
+  and the saved log-sum-exp.
+
+Gradient conventions:
+
+* Only out carries a gradient. The returned lse (log-sum-exp of each row) is
+  treated as a non-differentiable by-product, as in flash-attn: a gradient
+  flowing into it is ignored (the backward never reads it).
+* The scalar and optional arguments (softmax_scale, causal, window, softcap,
+  alibi_slopes, dropout_p, rng_state) get no gradient.
+* The ``deterministic`` flag of the backward, for callers of the forward op
+  itself, is ``torch.are_deterministic_algorithms_enabled()`` at backward time.
+  flash_attn_func passes its own ``deterministic`` argument explicitly (see
+  flashattn_ext/interface.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library: defines the ops and their C++ kernels)
+from . import checks
+
+attention_forward = torch.ops.flashattn_ext.attention_forward.default
+attention_backward = torch.ops.flashattn_ext.attention_backward.default
+
+
+def has_kernel(op_name: str, dispatch_key: str) -> bool:
+    """Whether the C++ library registered a kernel of ``flashattn_ext::op_name`` for the key."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"flashattn_ext::{op_name}", dispatch_key)
+
+
+# Read once at import: the set of kernels is fixed when the library loads, and a
+# module constant is something torch.compile can read without a graph break.
+HAS_CUDA_KERNELS = has_kernel("attention_forward", "CUDA") and has_kernel("attention_backward", "CUDA")
+
+
+@torch.library.register_fake("flashattn_ext::attention_forward")
+def _attention_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                            alibi_slopes, dropout_p, rng_state):
+    checks.check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
+                              require_aligned_head_dim=True)
+    # As allocate_forward_outputs() in csrc/attention_api.cpp: out has q's shape
+    # but is always contiguous, whatever q's strides; lse is fp32 (b, h, sq).
+    batch, seqlen_q, nheads, _ = q.shape
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("flashattn_ext::attention_backward")
+def _attention_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
+                             window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                             deterministic):
+    checks.check_backward_args(dout, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes,
+                               dropout_p, rng_state)
+    # The kernels allocate the gradients contiguous, with the shapes of q, k, v
+    # (new_empty is always contiguous, whatever the strides of its source).
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+     rng_state) = inputs
+    out, lse = output
+    # alibi_slopes and rng_state are saved as tensors too (None is allowed):
+    # the backward must see exactly the slopes and the dropout mask of the forward.
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
+    ctx.softmax_scale = softmax_scale
+    ctx.causal = causal
+    ctx.window_left = window_left
+    ctx.window_right = window_right
+    ctx.softcap = softcap
+    ctx.dropout_p = dropout_p
+    ctx.mark_non_differentiable(lse)
+
+
+def unit_stride_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is unit-stride (or of size <= 1), else a contiguous copy.
+
+    Gradients produced by autograd may have any strides (``out.sum()`` yields
+    an expanded dout with stride 0 everywhere); the kernels need only the head
+    dim to be unit-stride, so only then is a copy made.
+    """
+    if t.size(-1) <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+def run_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
+                 softcap, alibi_slopes, dropout_p, rng_state, deterministic):
+    """attention_backward on a gradient of any strides; returns (dq, dk, dv)."""
+    return attention_backward(unit_stride_last_dim(dout), q, k, v, out, lse, softmax_scale, causal,
+                              window_left, window_right, softcap, alibi_slopes, dropout_p,
+                              rng_state, deterministic)
+
+
+def _backward(ctx, dout, dlse):
+    del dlse  # lse is not differentiable (see the module docstring)
+    q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
+    dq, dk, dv = run_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                              ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes,
+                              ctx.dropout_p, rng_state, torch.are_deterministic_algorithms_enabled())
+    # One entry per forward input: q, k, v, then None for the 8 non-differentiable ones.
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flashattn_ext::attention_forward", _backward,
+                                setup_context=_setup_context)

@@ -1,0 +1,61 @@
+"""Shared setup of the test suite.
+
+The tests run against the installed package, so that a packaging mistake (a
+module or the compiled library missing from the install) fails them. tests/ is
+not a package and nothing here puts the repository root on sys.path; pytest
+puts tests/ itself there (rootdir-less "prepend" import mode), which is how the
+test modules import reference.py and sample_inputs.py.
+"""
+
+import importlib.metadata
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+
+import flashattn_ext
+import flashattn_ext._C  # noqa: F401  (the compiled library itself must import, not just the .py files)
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE_DIR = pathlib.Path(flashattn_ext.__file__).resolve().parent
+
+
+def _install_kind() -> str:
+    """'editable', 'installed' or 'not installed' (imported from a path on sys.path)."""
+    try:
+        dist = importlib.metadata.distribution("flashattn_ext")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+    direct_url = dist.read_text("direct_url.json")
+    if direct_url and json.loads(direct_url).get("dir_info", {}).get("editable", False):
+        return "editable"
+    return "installed"
+
+
+INSTALL_KIND = _install_kind()
+
+# An editable install runs the source tree by design. Otherwise the package must
+# come from site-packages: a source-tree import (e.g. `python -m pytest` from the
+# repository root, which puts the working directory on sys.path) would test
+# files that the install may not contain.
+if (INSTALL_KIND != "editable" and PACKAGE_DIR.is_relative_to(REPO_ROOT)
+        and os.environ.get("FLASHATTN_TEST_SOURCE_TREE") != "1"):
+    raise pytest.UsageError(
+        f"flashattn_ext was imported from the source tree ({PACKAGE_DIR}) but is {INSTALL_KIND} "
+        "as a package: run `pytest` (not `python -m pytest`) from outside the source root, or "
+        "install it (`pip install --no-build-isolation .` or `-e .`); set "
+        "FLASHATTN_TEST_SOURCE_TREE=1 to test an in-place build on purpose"
+    )
+
+
+def pytest_report_header(config):
+    info = flashattn_ext.build_info()
+    return [
+        f"flashattn_ext {flashattn_ext.__version__} from {PACKAGE_DIR} ({INSTALL_KIND}); "
+        f"built against torch {info['torch_version']}, CUDA kernels: {info['cuda_kernels']}",
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+        f"CUDA available: {torch.cuda.is_available()}",
+    ]
+

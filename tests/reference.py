@@ -1,0 +1,178 @@
+"""Reference attention and the error rule the kernels are held to.
+
+The reference is written from the definition, independently of the library:
+it materialises the full score matrix, builds the mask from an explicit index
+comparison, and uses torch.softmax / torch.logsumexp. It shares no code with
+flashattn_ext (not even its mask helpers), so a bug in one is not silently
+copied into the other.
+
+Error rule (as flash-attn's tests), on max absolute errors against the fp64
+reference, with FACTOR = 2 for out and lse and 3 for dq, dk, dv:
+
+* bf16/fp16: kernel error <= FACTOR x the error of this same reference run
+  entirely in the low precision, + ABS_FLOOR = 1e-5 (for tensors whose
+  low-precision error is 0, e.g. one key: out = v exactly).
+* fp32: kernel error <= max(1e-4 x scale, FACTOR x the fp32 PyTorch error) + 1e-6.
+* fp64: kernel error <= 1e-10 x scale + 1e-12; lse, which the schema stores in
+  fp32 whatever the inputs, gets one fp32 ulp (2^-23 x scale).
+
+scale is max |reference| of the tensor for out and lse, and the largest of
+max |dq|, |dk|, |dv| for the gradients: a gradient that is ~0 in exact
+arithmetic (one visible key: dk = 0) is left with rounding noise of the size of
+the terms that cancel in it, which the other gradients measure.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+FORWARD_FACTOR = 2.0
+BACKWARD_FACTOR = 3.0
+ABS_FLOOR = 1e-5
+FP32_RTOL, FP32_ATOL = 1e-4, 1e-6
+FP64_RTOL, FP64_ATOL = 1e-10, 1e-12
+LSE_FP32_RTOL = 2.0 ** -23  # one fp32 ulp, relative
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# dtypes whose tolerance uses the same-precision PyTorch baseline.
+BASELINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GRADIENTS = ("dq", "dk", "dv")
+
+
+def visibility_mask(seqlen_q: int, seqlen_k: int, causal: bool, window: Tuple[int, int],
+                    device=None) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right,
+    a negative bound meaning unbounded, and causal meaning right = 0."""
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device).view(-1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, -1)
+    diagonal = i + seqlen_k - seqlen_q
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= j >= diagonal - left
+    if right >= 0:
+        visible &= j <= diagonal + right
+    return visible
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        softmax_scale: Optional[float] = None, causal: bool = False,
+                        window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                        alibi_slopes: Optional[torch.Tensor] = None,
+                        compute_dtype: torch.dtype = torch.float64):
+    """(out, lse) of attention on (batch, seqlen, nheads, head_dim) inputs, computed
+    in ``compute_dtype`` (fp64 for the reference; the inputs' own dtype for the
+    low-precision PyTorch baseline). Differentiable with respect to q, k, v.
+
+    out has q's shape and compute_dtype; lse is (batch, nheads, seqlen_q) in
+    compute_dtype, +inf for rows that see no key (whose out is 0)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    if nheads_kv != nheads:
+        # MQA/GQA: query head h reads kv head h // (nheads // nheads_kv).
+        k = k.repeat_interleave(nheads // nheads_kv, dim=2)
+        v = v.repeat_interleave(nheads // nheads_kv, dim=2)
+
+    scores = torch.einsum("bihd,bjhd->bhij", q * softmax_scale, k)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(compute_dtype)
+        slopes = slopes.view(1, nheads) if slopes.dim() == 1 else slopes
+        i = torch.arange(seqlen_q, device=q.device).view(-1, 1)
+        j = torch.arange(seqlen_k, device=q.device).view(1, -1)
+        distance = (i + seqlen_k - seqlen_q - j).abs().to(compute_dtype)
+        scores = scores - slopes[:, :, None, None] * distance
+
+    visible = visibility_mask(seqlen_q, seqlen_k, causal, window, device=q.device)
+    row_sees_a_key = visible.any(dim=-1)  # (seqlen_q,)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # Rows that see nothing: score 0 everywhere, so softmax and logsumexp stay
+    # finite (no NaN in the gradient); their probabilities are zeroed below.
+    scores = scores.masked_fill(~row_sees_a_key.view(-1, 1), 0.0)
+    probs = torch.softmax(scores, dim=-1) * visible
+    out = torch.einsum("bhij,bjhd->bihd", probs, v)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~row_sees_a_key, float("inf"))
+    return out, lse
+
+
+def attention_reference_with_grads(q, k, v, dout, **kwargs):
+    """(out, lse, dq, dk, dv) of attention_reference, gradients of <out, dout> by autograd."""
+    compute_dtype = kwargs.get("compute_dtype", torch.float64)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = attention_reference(*leaves, **kwargs)
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(compute_dtype), allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), leaves)]
+    return (out.detach(), lse.detach(), *grads)
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| in fp64; +inf entries must coincide and count as 0."""
+    actual, expected = actual.double(), expected.double()
+    infinite = torch.isinf(expected)
+    if not torch.equal(torch.isinf(actual), infinite) or not torch.equal(actual[infinite], expected[infinite]):
+        return math.inf
+    if actual.numel() == 0:
+        return 0.0
+    return (actual - expected).masked_fill(infinite, 0.0).abs().max().item()
+
+
+def magnitude(t: torch.Tensor) -> float:
+    """max |t| over its finite entries (0 for none)."""
+    finite = t[torch.isfinite(t)].double()
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def tolerance(name: str, dtype: torch.dtype, reference: torch.Tensor,
+              low_precision: Optional[torch.Tensor], scale: Optional[float] = None) -> float:
+    """The largest max-abs error the error rule allows for one output tensor;
+    ``scale`` (default: max |reference|) is what the fp32/fp64 relative bounds
+    are relative to."""
+    if scale is None:
+        scale = magnitude(reference)
+    if dtype in LOW_PRECISION:
+        assert low_precision is not None, "the low-precision baseline is needed for bf16/fp16"
+        factor = FORWARD_FACTOR if name in ("out", "lse") else BACKWARD_FACTOR
+        return factor * max_abs_error(low_precision, reference) + ABS_FLOOR
+    if dtype == torch.float32:
+        # Where the exact result is ~0 (one visible key: dk = 0) the fp32
+        # rounding of the cancelling terms sets the error, not the result's
+        # scale; the fp32 PyTorch baseline measures that noise.
+        factor = FORWARD_FACTOR if name in ("out", "lse") else BACKWARD_FACTOR
+        baseline = factor * max_abs_error(low_precision, reference) if low_precision is not None else 0.0
+        return max(FP32_RTOL * scale, baseline) + FP32_ATOL
+    if dtype == torch.float64:
+        if name == "lse":
+            # The schema stores lse in fp32 whatever the inputs: allow its rounding.
+            return LSE_FP32_RTOL * scale + FP64_ATOL
+        return FP64_RTOL * scale + FP64_ATOL
+    raise ValueError(f"no tolerance for {dtype}")
+
+
+def assert_error_rule(names: Sequence[str], actual: Sequence[torch.Tensor],
+                      reference: Sequence[torch.Tensor],
+                      low_precision: Optional[Sequence[Optional[torch.Tensor]]], dtype: torch.dtype,
+                      context: str = "") -> None:
+    failures = []
+    # dq, dk, dv are relative to the largest of them: where one is ~0 in exact
+    # arithmetic (one visible key: dk = 0), the kernel's D = rowsum(dout * out)
+    # leaves rounding noise of the size of the others' terms.
+    gradient_scale = max([magnitude(r) for n, r in zip(names, reference) if n in GRADIENTS], default=None)
+    for index, name in enumerate(names):
+        a, r = actual[index], reference[index]
+        assert a.shape == r.shape, f"{context} {name}: shape {list(a.shape)} != reference {list(r.shape)}"
+        lp = low_precision[index] if low_precision is not None else None
+        error = max_abs_error(a, r)
+        allowed = tolerance(name, dtype, r, lp, gradient_scale if name in GRADIENTS else None)
+        if not error <= allowed:
+            baseline = f", low-precision PyTorch error {max_abs_error(lp, r):.3g}" if lp is not None else ""
+            failures.append(f"{name}: max |err| {error:.3g} > allowed {allowed:.3g}{baseline}")
+    assert not failures, f"{context} ({dtype}): " + "; ".join(failures)

@@ -1,0 +1,225 @@
+"""The named attention cases shared by the correctness, gradient, opcheck and
+compile tests (one list, as extension-cpp's sample_inputs).
+
+Sizes are small because the CPU kernel is real but runs on 2 cores in CI; the
+sequence lengths are chosen around the CPU kernel's 128 x 128 blocks
+(kBlockQ/kBlockK in csrc/cpu/attention_cpu.cpp): 1, 17, 127, 129, 257, and
+seqlen_q != seqlen_k both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch
+
+# kBlockQ = kBlockK in csrc/cpu/attention_cpu.cpp.
+CPU_BLOCK = 128
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def alibi_slopes_for(nheads: int) -> torch.Tensor:
+    """The standard ALiBi slopes 2^(-8 (h + 1) / nheads), fp32 (nheads,)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / nheads) for h in range(nheads)], dtype=torch.float32)
+
+
+@dataclass
+class AttentionInputs:
+    """Tensors and arguments of one call, ready for flash_attn_func or the ops."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    softmax_scale: Optional[float]
+    causal: bool
+    window: Tuple[int, int]
+    softcap: float
+    alibi_slopes: Optional[torch.Tensor]
+
+    def func_kwargs(self) -> dict:
+        """Keyword arguments of flash_attn_func (flash-attn names)."""
+        return dict(softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window,
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+
+    def reference_kwargs(self) -> dict:
+        return dict(softmax_scale=self.softmax_scale, causal=self.causal, window=self.window,
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+
+    def resolved_scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else self.q.size(-1) ** -0.5
+
+    def forward_op_args(self) -> tuple:
+        """Positional arguments of torch.ops.flashattn_ext.attention_forward."""
+        return (self.q, self.k, self.v, self.resolved_scale(), self.causal, self.window[0],
+                self.window[1], self.softcap, self.alibi_slopes, 0.0, None)
+
+    def backward_op_args(self, out: torch.Tensor, lse: torch.Tensor, deterministic: bool = False) -> tuple:
+        """Positional arguments of torch.ops.flashattn_ext.attention_backward."""
+        return (self.dout, self.q, self.k, self.v, out, lse, self.resolved_scale(), self.causal,
+                self.window[0], self.window[1], self.softcap, self.alibi_slopes, 0.0, None,
+                deterministic)
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    name: str
+    batch: int = 2
+    seqlen_q: int = 17
+    seqlen_k: int = 17
+    nheads: int = 2
+    nheads_kv: int = 2
+    head_dim: int = 32
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    # None, "nheads" (shape (nheads,)) or "batch_nheads" (shape (batch, nheads)).
+    alibi: Optional[str] = None
+    softmax_scale: Optional[float] = None
+    # "contiguous"; "mixed_strides": q a slice of a packed qkv tensor, k stored
+    # head-major, v stored seqlen-major, dout stored head-major (every tensor a
+    # different layout, so a kernel reading one tensor with another's strides
+    # fails); "expanded_kv_heads": k and v broadcast over heads (stride 0).
+    layout: str = "contiguous"
+    tags: Tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def op_compatible(self) -> bool:
+        """Whether the op itself accepts the case (flash_attn_func pads other head dims)."""
+        return self.head_dim % 8 == 0
+
+    def make(self, dtype: torch.dtype = torch.float32, device="cpu", requires_grad: bool = False,
+             seed: int = 0) -> AttentionInputs:
+        gen = torch.Generator().manual_seed(seed)
+        b, sq, sk, h, hk, d = (self.batch, self.seqlen_q, self.seqlen_k, self.nheads,
+                               self.nheads_kv, self.head_dim)
+
+        def randn(*shape):
+            # Drawn in fp32 on the CPU so every dtype and device sees the same values.
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+        if self.layout == "contiguous":
+            q, k, v = randn(b, sq, h, d), randn(b, sk, hk, d), randn(b, sk, hk, d)
+            dout = randn(b, sq, h, d)
+        elif self.layout == "mixed_strides":
+            q = randn(b, sq, 3, h, d)[:, :, 1]
+            k = randn(b, hk, sk, d).transpose(1, 2)
+            v = randn(sk, hk, b, d).permute(2, 0, 1, 3)
+            dout = randn(b, h, sq, d).transpose(1, 2)
+        elif self.layout == "expanded_kv_heads":
+            q = randn(b, sq, h, d)
+            k = randn(b, sk, 1, d).expand(b, sk, hk, d)
+            v = randn(b, sk, 1, d).expand(b, sk, hk, d)
+            dout = randn(b, sq, h, d)
+        else:
+            raise ValueError(f"unknown layout {self.layout}")
+        for t in (q, k, v):
+            t.requires_grad_(requires_grad)
+
+        alibi_slopes = None
+        if self.alibi == "nheads":
+            alibi_slopes = alibi_slopes_for(h).to(device)
+        elif self.alibi == "batch_nheads":
+            alibi_slopes = (torch.rand(b, h, generator=gen) * 0.5 + 0.05).to(device)
+        return AttentionInputs(q, k, v, dout, self.softmax_scale, self.causal, self.window,
+                               self.softcap, alibi_slopes)
+
+
+CASES = [
+    AttentionCase("basic", batch=2, seqlen_q=17, seqlen_k=17, nheads=2, head_dim=32, tags=("opcheck", "compile")),
+    AttentionCase("seqlen_1", batch=2, seqlen_q=1, seqlen_k=1, nheads=2, head_dim=16, tags=("opcheck",)),
+    AttentionCase("block_minus_1_causal", batch=1, seqlen_q=CPU_BLOCK - 1, seqlen_k=CPU_BLOCK - 1,
+                  causal=True),
+    AttentionCase("block_plus_1", batch=1, seqlen_q=CPU_BLOCK + 1, seqlen_k=CPU_BLOCK + 1,
+                  nheads=2, nheads_kv=1),
+    AttentionCase("three_blocks_causal", batch=1, seqlen_q=2 * CPU_BLOCK + 1,
+                  seqlen_k=2 * CPU_BLOCK + 1, nheads=1, nheads_kv=1, head_dim=16, causal=True),
+    AttentionCase("q1_k239", batch=2, seqlen_q=1, seqlen_k=239),
+    AttentionCase("q1_k239_causal", batch=2, seqlen_q=1, seqlen_k=239, causal=True),
+    AttentionCase("q239_k1", batch=1, seqlen_q=239, seqlen_k=1),
+    # Bottom-right alignment: only the last query row sees the key.
+    AttentionCase("q239_k1_causal", batch=1, seqlen_q=239, seqlen_k=1, causal=True, tags=("opcheck",)),
+    AttentionCase("q113_k203_causal_gqa", batch=1, seqlen_q=113, seqlen_k=203, nheads=4, nheads_kv=2,
+                  head_dim=64, causal=True, tags=("opcheck",)),
+    # Rows 0..89 see no key: out 0, lse +inf.
+    AttentionCase("q203_k113_causal", batch=1, seqlen_q=203, seqlen_k=113, head_dim=64, causal=True),
+    AttentionCase("gqa_2", batch=2, seqlen_q=33, seqlen_k=47, nheads=4, nheads_kv=2),
+    AttentionCase("mqa_8_causal", batch=1, seqlen_q=65, seqlen_k=65, nheads=8, nheads_kv=1, causal=True,
+                  tags=("compile",)),
+    AttentionCase("window_32_16", batch=1, seqlen_q=150, seqlen_k=150, window=(32, 16), tags=("opcheck",)),
+    AttentionCase("window_left_only", batch=1, seqlen_q=140, seqlen_k=200, nheads=2, nheads_kv=1,
+                  window=(20, -1)),
+    AttentionCase("window_right_only", batch=1, seqlen_q=90, seqlen_k=60, window=(-1, 5)),
+    AttentionCase("window_diagonal_only", batch=1, seqlen_q=33, seqlen_k=33, head_dim=16, window=(0, 0)),
+    # seqlen_q > seqlen_k with right bound 0: rows 0..31 see no key.
+    AttentionCase("window_masks_rows", batch=1, seqlen_q=64, seqlen_k=32, window=(8, 0), tags=("opcheck",)),
+    AttentionCase("causal_window", batch=1, seqlen_q=130, seqlen_k=130, causal=True, window=(16, -1)),
+    AttentionCase("softcap", batch=2, seqlen_q=40, seqlen_k=40, softcap=2.0, softmax_scale=0.5,
+                  tags=("opcheck",)),
+    AttentionCase("softcap_causal_gqa", batch=1, seqlen_q=70, seqlen_k=90, nheads=4, nheads_kv=2,
+                  causal=True, softcap=1.5, softmax_scale=0.4),
+    AttentionCase("alibi_per_head_causal", batch=2, seqlen_q=50, seqlen_k=50, nheads=4, nheads_kv=4,
+                  causal=True, alibi="nheads", tags=("opcheck",)),
+    AttentionCase("alibi_per_batch_head", batch=2, seqlen_q=37, seqlen_k=61, nheads=4, nheads_kv=2,
+                  alibi="batch_nheads", tags=("opcheck",)),
+    AttentionCase("all_features", batch=1, seqlen_q=150, seqlen_k=131, nheads=4, nheads_kv=2, causal=True,
+                  window=(40, -1), softcap=3.0, alibi="batch_nheads", softmax_scale=0.3,
+                  tags=("opcheck", "compile")),
+    AttentionCase("mixed_strides", batch=2, seqlen_q=45, seqlen_k=45, nheads=4, nheads_kv=2,
+                  layout="mixed_strides", tags=("opcheck", "compile")),
+    AttentionCase("mixed_strides_causal", batch=1, seqlen_q=130, seqlen_k=70, nheads=2, nheads_kv=1,
+                  head_dim=64, causal=True, layout="mixed_strides"),
+    AttentionCase("expanded_kv_heads", batch=1, seqlen_q=40, seqlen_k=40, nheads=4, nheads_kv=4,
+                  layout="expanded_kv_heads"),
+    AttentionCase("head_dim_8", batch=1, seqlen_q=30, seqlen_k=30, head_dim=8),
+    AttentionCase("head_dim_72", batch=1, seqlen_q=30, seqlen_k=50, head_dim=72),
+    AttentionCase("head_dim_128_causal", batch=1, seqlen_q=70, seqlen_k=70, head_dim=128, causal=True),
+    AttentionCase("head_dim_256", batch=1, seqlen_q=40, seqlen_k=60, head_dim=256, tags=("opcheck",)),
+    # Not multiples of 8: flash_attn_func pads them (the op alone refuses them).
+    AttentionCase("head_dim_59_padded", batch=1, seqlen_q=30, seqlen_k=30, head_dim=59, tags=("compile",)),
+    AttentionCase("head_dim_3_padded_causal", batch=2, seqlen_q=20, seqlen_k=25, head_dim=3, causal=True),
+]
+
+CASES_BY_NAME = {case.name: case for case in CASES}
+assert len(CASES_BY_NAME) == len(CASES), "case names must be unique"
+
+
+def cases_tagged(tag: str):
+    return [case for case in CASES if tag in case.tags]
+
+
+# gradcheck perturbs every input element: tiny shapes, fp64, through
+# flash_attn_func and the real CPU op. Expanded (stride-0) inputs are left out:
+# perturbing one element there perturbs every alias of it.
+GRADCHECK_CASES = [
+    AttentionCase("gc_basic", batch=1, seqlen_q=5, seqlen_k=5, nheads=2, nheads_kv=2, head_dim=8),
+    AttentionCase("gc_gqa_causal_q_gt_k", batch=1, seqlen_q=7, seqlen_k=4, nheads=4, nheads_kv=2,
+                  head_dim=8, causal=True),
+    AttentionCase("gc_causal_q_lt_k", batch=2, seqlen_q=3, seqlen_k=6, nheads=1, nheads_kv=1,
+                  head_dim=8, causal=True),
+    AttentionCase("gc_window", batch=1, seqlen_q=6, seqlen_k=8, nheads=2, nheads_kv=1, head_dim=8,
+                  window=(2, 1)),
+    AttentionCase("gc_softcap", batch=1, seqlen_q=5, seqlen_k=6, nheads=2, nheads_kv=2, head_dim=8,
+                  softcap=1.5, softmax_scale=0.7),
+    AttentionCase("gc_alibi", batch=2, seqlen_q=4, seqlen_k=6, nheads=2, nheads_kv=2, head_dim=8,
+                  causal=True, alibi="batch_nheads"),
+    AttentionCase("gc_mqa_all_features", batch=1, seqlen_q=6, seqlen_k=5, nheads=3, nheads_kv=1,
+                  head_dim=8, window=(3, 0), softcap=2.0, alibi="nheads"),
+    AttentionCase("gc_mixed_strides", batch=1, seqlen_q=5, seqlen_k=5, nheads=2, nheads_kv=1,
+                  head_dim=8, layout="mixed_strides"),
+    AttentionCase("gc_head_dim_5_padded", batch=1, seqlen_q=4, seqlen_k=6, nheads=1, nheads_kv=1,
+                  head_dim=5, causal=True),
+]
+
+# Zero-sized problems: out (and the gradients) are empty or zero, never garbage.
+EMPTY_CASES = [
+    AttentionCase("empty_batch", batch=0, seqlen_q=5, seqlen_k=7, nheads=2, nheads_kv=1, head_dim=16),
+    AttentionCase("empty_seqlen_q", batch=2, seqlen_q=0, seqlen_k=7, nheads=2, nheads_kv=1, head_dim=16),
+    AttentionCase("empty_seqlen_k", batch=2, seqlen_q=5, seqlen_k=0, nheads=2, nheads_kv=1, head_dim=16),
+    AttentionCase("empty_seqlen_k_causal_padded", batch=1, seqlen_q=3, seqlen_k=0, head_dim=12, causal=True),
+]

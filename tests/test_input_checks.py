@@ -1,0 +1,315 @@
+"""Every argument check, in Python (flash_attn_func, flashattn_ext/checks.py) and
+in C++ (csrc/attention_api.cpp, reached by calling torch.ops directly), raises
+with a message that names the argument and says what it got.
+
+The op-level table runs twice: on CPU tensors (the C++ checks) and on meta
+tensors (the fake kernels of flashattn_ext/ops.py, which run the Python checks),
+so both implementations are held to the same message patterns."""
+
+import math
+
+import pytest
+import torch
+
+import flashattn_ext
+from flashattn_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+forward_op = torch.ops.flashattn_ext.attention_forward
+backward_op = torch.ops.flashattn_ext.attention_backward
+
+
+def qkv(batch=1, seqlen_q=4, seqlen_k=5, nheads=2, nheads_kv=2, head_dim=16, dtype=torch.float32,
+        device="cpu"):
+    make = lambda *shape: torch.randn(*shape).to(device=device, dtype=dtype)  # noqa: E731
+    return (make(batch, seqlen_q, nheads, head_dim), make(batch, seqlen_k, nheads_kv, head_dim),
+            make(batch, seqlen_k, nheads_kv, head_dim))
+
+
+def strided_last_dim(t):
+    """t's values with a last-dim stride of 2 (a view of a wider tensor)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def forward_args(q, k, v, **overrides):
+    args = dict(softmax_scale=0.25, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                alibi_slopes=None, dropout_p=0.0, rng_state=None)
+    args.update(overrides)
+    return (q, k, v, args["softmax_scale"], args["causal"], args["window_left"], args["window_right"],
+            args["softcap"], args["alibi_slopes"], args["dropout_p"], args["rng_state"])
+
+
+# ---------------------------------------------------------------------------
+# flash_attn_func and the packed variants
+
+
+def with_q(**changes):
+    def call():
+        q, k, v = qkv(**changes)
+        return flash_attn_func(q, k, v)
+    return call
+
+
+def with_tensors(transform, **kwargs):
+    def call():
+        q, k, v = transform(*qkv())
+        return flash_attn_func(q, k, v, **kwargs)
+    return call
+
+
+def with_kwargs(**kwargs):
+    def call():
+        q, k, v = qkv()
+        return flash_attn_func(q, k, v, **kwargs)
+    return call
+
+
+PYTHON_CHECKS = [
+    ("q_rank", with_tensors(lambda q, k, v: (q[0], k, v)), RuntimeError,
+     r"flashattn_ext: q must have 4 dimensions \(batch, seqlen, nheads, head_dim\), got 3 dimensions "
+     r"with shape \[4, 2, 16\]"),
+    ("k_rank", with_tensors(lambda q, k, v: (q, k[None], v)), RuntimeError,
+     r"k must have 4 dimensions .*got 5 dimensions"),
+    ("v_rank", with_tensors(lambda q, k, v: (q, k, v[0])), RuntimeError, r"v must have 4 dimensions"),
+    ("q_not_a_tensor", with_tensors(lambda q, k, v: (q.tolist(), k, v)), TypeError,
+     r"q must be a torch.Tensor, got list"),
+    ("k_dtype_mismatch", with_tensors(lambda q, k, v: (q, k.double(), v)), RuntimeError,
+     r"k must have the same dtype as q: got torch.float64, expected torch.float32"),
+    ("v_dtype_mismatch", with_tensors(lambda q, k, v: (q, k, v.half())), RuntimeError,
+     r"v must have the same dtype as q: got torch.float16, expected torch.float32"),
+    ("unsupported_dtype_int32", with_tensors(lambda q, k, v: (q.int(), k.int(), v.int())), RuntimeError,
+     r"dtype torch.int32 is not supported on CPU .*got torch.int32, expected one of"),
+    ("device_mismatch_meta", with_tensors(lambda q, k, v: (q, k.to("meta"), v)), RuntimeError,
+     r"k must be on the same device as q: got meta, expected cpu"),
+    ("v_device_mismatch_meta", with_tensors(lambda q, k, v: (q, k, v.to("meta"))), RuntimeError,
+     r"v must be on the same device as q: got meta, expected cpu"),
+    ("head_dim_over_256", with_q(head_dim=264), RuntimeError,
+     r"head_dim \(q dim 3\) must be at most 256, got 264"),
+    ("head_dim_257_before_padding", with_q(head_dim=257), RuntimeError, r"must be at most 256, got 257"),
+    ("k_head_dim_mismatch", with_tensors(lambda q, k, v: (q, k[..., :8], v)), RuntimeError,
+     r"k head_dim \(dim 3\) must match q: got 8, expected 16"),
+    ("k_batch_mismatch", with_tensors(lambda q, k, v: (q, torch.cat([k, k]), v)), RuntimeError,
+     r"k batch size \(dim 0\) must match q: got 2, expected 1"),
+    ("v_seqlen_mismatch", with_tensors(lambda q, k, v: (q, k, v[:, :3])), RuntimeError,
+     r"v seqlen \(dim 1\) must match k: got 3, expected 5"),
+    ("v_nheads_mismatch", with_tensors(lambda q, k, v: (q, k, v[:, :, :1])), RuntimeError,
+     r"v nheads \(dim 2\) must match k: got 1, expected 2"),
+    ("nheads_not_divisible", with_q(nheads=3, nheads_kv=2), RuntimeError,
+     r"q nheads \(dim 2\) must be a multiple of k nheads \(dim 2\): got 3 and 2"),
+    ("q_last_dim_stride", with_tensors(lambda q, k, v: (strided_last_dim(q), k, v)), RuntimeError,
+     r"q must be contiguous in its last dimension \(head_dim\): got stride 2, expected 1"),
+    ("v_last_dim_stride", with_tensors(lambda q, k, v: (q, k, v.transpose(-1, -3).contiguous().transpose(-1, -3))),
+     RuntimeError, r"v must be contiguous in its last dimension \(head_dim\): got stride \d+, expected 1"),
+    ("dropout_negative", with_kwargs(dropout_p=-0.1), RuntimeError, r"dropout_p must be in \[0, 1\), got -0.1"),
+    ("dropout_one", with_kwargs(dropout_p=1.0), RuntimeError, r"dropout_p must be in \[0, 1\), got 1.0"),
+    ("dropout_not_implemented", with_kwargs(dropout_p=0.1), NotImplementedError,
+     r"dropout_p > 0 is not implemented on CPU yet \(got dropout_p=0.1\)"),
+    ("softmax_scale_inf", with_kwargs(softmax_scale=math.inf), RuntimeError,
+     r"softmax_scale must be finite, got inf"),
+    ("softmax_scale_nan", with_kwargs(softmax_scale=math.nan), RuntimeError,
+     r"softmax_scale must be finite, got nan"),
+    ("softcap_negative", with_kwargs(softcap=-1.0), RuntimeError,
+     r"softcap must be finite and >= 0 \(0 turns it off\), got -1.0"),
+    ("window_size_one_int", with_kwargs(window_size=(3,)), TypeError,
+     r"window_size must be a pair of ints \(left, right\), -1 meaning unbounded: got \(3,\)"),
+    ("window_size_float", with_kwargs(window_size=(1.5, 2)), TypeError, r"window_size must be a pair of ints"),
+    ("window_size_scalar", with_kwargs(window_size=4), TypeError, r"window_size must be a pair of ints.*got 4"),
+    ("window_size_bool", with_kwargs(window_size=(True, -1)), TypeError, r"window_size must be a pair of ints"),
+    ("alibi_shape", with_kwargs(alibi_slopes=torch.ones(3)), RuntimeError,
+     r"alibi_slopes must have shape \(nheads,\) = \(2,\) or \(batch, nheads\) = \(1, 2\), got \[3\]"),
+    ("alibi_shape_2d", with_kwargs(alibi_slopes=torch.ones(2, 2)), RuntimeError,
+     r"alibi_slopes must have shape .*got \[2, 2\]"),
+    ("alibi_dtype", with_kwargs(alibi_slopes=torch.ones(2, dtype=torch.float64)), RuntimeError,
+     r"alibi_slopes must be float32, got torch.float64"),
+    ("alibi_device", with_kwargs(alibi_slopes=torch.ones(2, device="meta")), RuntimeError,
+     r"alibi_slopes must be on the same device as q: got meta, expected cpu"),
+    ("alibi_last_dim_stride", with_kwargs(alibi_slopes=torch.ones(1, 4)[:, ::2]), RuntimeError,
+     r"alibi_slopes must be contiguous in its last dimension: got stride 2, expected 1"),
+    ("qkv_rank", lambda: flash_attn_qkvpacked_func(torch.randn(1, 4, 3, 16)), RuntimeError,
+     r"qkv must have 5 dimensions \(batch, seqlen, 3, nheads, head_dim\), got 4 dimensions"),
+    ("qkv_not_three", lambda: flash_attn_qkvpacked_func(torch.randn(1, 4, 2, 2, 16)), RuntimeError,
+     r"qkv dim 2 must be 3 .*got 2, expected 3"),
+    ("kv_not_two", lambda: flash_attn_kvpacked_func(torch.randn(1, 4, 2, 16), torch.randn(1, 5, 3, 2, 16)),
+     RuntimeError, r"kv dim 2 must be 2 .*got 3, expected 2"),
+    ("kv_rank", lambda: flash_attn_kvpacked_func(torch.randn(1, 4, 2, 16), torch.randn(1, 5, 2, 16)),
+     RuntimeError, r"kv must have 5 dimensions"),
+    ("kvpacked_q_rank", lambda: flash_attn_kvpacked_func(torch.randn(4, 2, 16), torch.randn(1, 5, 2, 2, 16)),
+     RuntimeError, r"q must have 4 dimensions"),
+]
+
+
+@pytest.mark.parametrize("call,exception,pattern", [p[1:] for p in PYTHON_CHECKS],
+                         ids=[p[0] for p in PYTHON_CHECKS])
+def test_flash_attn_func_checks(call, exception, pattern):
+    with pytest.raises(exception, match=pattern) as info:
+        call()
+    assert str(info.value).startswith("flashattn_ext: "), str(info.value)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_flash_attn_func_unsupported_cuda_dtype(dtype):
+    q, k, v = qkv(dtype=dtype, device="cuda")
+    with pytest.raises(RuntimeError, match=rf"dtype {dtype} is not supported on CUDA"):
+        flash_attn_func(q, k, v)
+
+
+@requires_cuda
+def test_flash_attn_func_device_mismatch_cuda():
+    q, k, v = qkv(dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"k must be on the same device as q: got cpu, expected cuda:0"):
+        flash_attn_func(q, k.cpu(), v)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_flash_attn_func_device_index_mismatch():
+    q, k, v = qkv(dtype=torch.float16, device="cuda:0")
+    with pytest.raises(RuntimeError, match=r"v must be on the same device as q: got cuda:1, expected cuda:0"):
+        flash_attn_func(q, k, v.to("cuda:1"))
+
+
+# ---------------------------------------------------------------------------
+# The ops: C++ checks on CPU tensors, the fake kernels' checks on meta tensors.
+# Dtype names differ (C++ "Double", Python "torch.float64"), hence the ".*".
+
+
+def op_forward(transform=lambda q, k, v: (q, k, v), make=qkv, **overrides):
+    def call(device):
+        q, k, v = transform(*make(device=device))
+        # Tensor arguments are given as functions of the device, so they follow q.
+        resolved = {name: value(device) if callable(value) else value for name, value in overrides.items()}
+        return forward_op(*forward_args(q, k, v, **resolved))
+    return call
+
+
+def op_backward(transform):
+    """Calls the backward op on a valid set of inputs changed by transform(dict)."""
+    def call(device):
+        q, k, v = qkv(device=device)
+        inputs = dict(dout=torch.randn_like(q), q=q, k=k, v=v, out=torch.randn_like(q),
+                      lse=torch.zeros(1, 2, 4, device=device))
+        inputs = transform(inputs)
+        return backward_op(inputs["dout"], inputs["q"], inputs["k"], inputs["v"], inputs["out"],
+                           inputs["lse"], 0.25, False, -1, -1, 0.0, None, 0.0, None, False)
+    return call
+
+
+def replace(**changes):
+    def transform(inputs):
+        return {**inputs, **{name: change(inputs[name]) for name, change in changes.items()}}
+    return transform
+
+
+OP_CHECKS = [
+    ("q_rank", op_forward(lambda q, k, v: (q[0], k, v)), RuntimeError,
+     r"flashattn_ext: q must have 4 dimensions \(batch, seqlen, nheads, head_dim\), got 3 dimensions "
+     r"with shape \[4, 2, 16\]"),
+    ("k_dtype_mismatch", op_forward(lambda q, k, v: (q, k.double(), v)), RuntimeError,
+     r"k must have the same dtype as q: got .*, expected .*"),
+    ("unsupported_dtype_int32", op_forward(lambda q, k, v: (q.int(), k.int(), v.int())), RuntimeError,
+     r"dtype .*Int.* is not supported on CPU|dtype torch.int32 is not supported on META"),
+    ("head_dim_over_256", op_forward(make=lambda device: qkv(head_dim=264, device=device)), RuntimeError,
+     r"head_dim \(q dim 3\) must be at most 256, got 264"),
+    ("head_dim_not_multiple_of_8", op_forward(make=lambda device: qkv(head_dim=12, device=device)),
+     RuntimeError, r"head_dim \(q dim 3\) must be a multiple of 8 \(flash_attn_func pads it\), got 12"),
+    ("k_head_dim_mismatch", op_forward(lambda q, k, v: (q, k[..., :8], v)), RuntimeError,
+     r"k head_dim \(dim 3\) must match q: got 8, expected 16"),
+    ("v_seqlen_mismatch", op_forward(lambda q, k, v: (q, k, v[:, :3])), RuntimeError,
+     r"v seqlen \(dim 1\) must match k: got 3, expected 5"),
+    ("nheads_not_divisible", op_forward(make=lambda device: qkv(nheads=3, nheads_kv=2, device=device)),
+     RuntimeError, r"q nheads \(dim 2\) must be a multiple of k nheads \(dim 2\): got 3 and 2"),
+    ("k_last_dim_stride", op_forward(lambda q, k, v: (q, strided_last_dim(k), v)), RuntimeError,
+     r"k must be contiguous in its last dimension \(head_dim\): got stride 2, expected 1"),
+    ("dropout_out_of_range", op_forward(dropout_p=1.5), RuntimeError,
+     r"dropout_p must be in \[0, 1\), got 1.5"),
+    ("softmax_scale_inf", op_forward(softmax_scale=math.inf), RuntimeError,
+     r"softmax_scale must be finite, got inf"),
+    ("softcap_negative", op_forward(softcap=-0.5), RuntimeError, r"softcap must be finite and >= 0"),
+    ("alibi_shape", op_forward(alibi_slopes=lambda device: torch.ones(1, 3, device=device)), RuntimeError,
+     r"alibi_slopes must have shape \(nheads,\) = \(2,\) or \(batch, nheads\) = \(1, 2\), got \[1, 3\]"),
+    ("alibi_dtype", op_forward(alibi_slopes=lambda device: torch.ones(2, dtype=torch.float16, device=device)), RuntimeError,
+     r"alibi_slopes must be float32, got .*"),
+    ("backward_dout_shape", op_backward(replace(dout=lambda t: t[:, :3])), RuntimeError,
+     r"dout must have the shape of q: got \[1, 3, 2, 16\], expected \[1, 4, 2, 16\]"),
+    ("backward_out_shape", op_backward(replace(out=lambda t: t[..., :8])), RuntimeError,
+     r"out must have the shape of q: got \[1, 4, 2, 8\], expected \[1, 4, 2, 16\]"),
+    ("backward_dout_dtype", op_backward(replace(dout=lambda t: t.double())), RuntimeError,
+     r"dout must have the same dtype as q: got .*, expected .*"),
+    ("backward_dout_rank", op_backward(replace(dout=lambda t: t[0])), RuntimeError,
+     r"dout must have 4 dimensions"),
+    ("backward_out_last_dim_stride", op_backward(replace(out=strided_last_dim)), RuntimeError,
+     r"out must be contiguous in its last dimension \(head_dim\): got stride 2, expected 1"),
+    ("backward_lse_shape", op_backward(replace(lse=lambda t: t[:, :, :3])), RuntimeError,
+     r"lse must have shape \(batch, nheads, seqlen_q\) = \[1, 2, 4\], got \[1, 2, 3\]"),
+    ("backward_lse_dtype", op_backward(replace(lse=lambda t: t.double())), RuntimeError,
+     r"lse must be float32, got .*"),
+    ("backward_q_rank", op_backward(replace(q=lambda t: t[0])), RuntimeError, r"q must have 4 dimensions"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("call,exception,pattern", [p[1:] for p in OP_CHECKS], ids=[p[0] for p in OP_CHECKS])
+def test_op_checks(call, exception, pattern, device):
+    with pytest.raises(exception, match=pattern) as info:
+        call(device)
+    assert str(info.value).startswith("flashattn_ext: ") or "\nflashattn_ext: " in str(info.value)
+
+
+def test_op_dropout_not_implemented_on_cpu():
+    q, k, v = qkv()
+    rng_state = torch.tensor([1, 0], dtype=torch.int64)
+    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 is not implemented on CPU yet"):
+        forward_op(*forward_args(q, k, v, dropout_p=0.2, rng_state=rng_state))
+
+
+def test_op_backward_dropout_not_implemented_on_cpu():
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 is not implemented on CPU yet"):
+        backward_op(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(1, 2, 4), 0.25, False,
+                    -1, -1, 0.0, None, 0.2, torch.tensor([1, 0]), False)
+
+
+def test_fake_kernel_requires_rng_state_for_dropout():
+    q, k, v = qkv(device="meta")
+    with pytest.raises(RuntimeError, match=r"rng_state \(int64 \[seed, offset\]\) is required when dropout_p > 0"):
+        forward_op(*forward_args(q, k, v, dropout_p=0.2))
+    with pytest.raises(RuntimeError, match=r"rng_state must be an int64 tensor of 2 elements"):
+        forward_op(*forward_args(q, k, v, dropout_p=0.2, rng_state=torch.zeros(3, dtype=torch.int64,
+                                                                               device="meta")))
+
+
+def test_meta_forward_shapes():
+    q, k, v = qkv(batch=2, seqlen_q=7, seqlen_k=9, nheads=4, nheads_kv=2, head_dim=32, device="meta")
+    out, lse = forward_op(*forward_args(q.transpose(1, 2).contiguous().transpose(1, 2), k, v))
+    assert out.shape == q.shape and out.is_contiguous() and out.device.type == "meta"
+    assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+
+
+requires_cuda_kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() and flashattn_ext.ops.HAS_CUDA_KERNELS),
+    reason="needs a CUDA device and a build with the CUDA kernels")
+
+
+@requires_cuda_kernels
+def test_op_device_mismatch_cuda():
+    q, k, v = qkv(dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"k must be on the same device as q: got cpu, expected cuda:0"):
+        forward_op(*forward_args(q, k.cpu(), v))
+
+
+@requires_cuda_kernels
+def test_op_unsupported_cuda_dtype():
+    q, k, v = qkv(dtype=torch.float64, device="cuda")
+    with pytest.raises(RuntimeError, match=r"dtype Double is not supported on CUDA"):
+        forward_op(*forward_args(q, k, v))
+
+
+def test_op_device_mismatch_meta():
+    # A meta k routes the call to the fake kernel, which runs the Python device check.
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match=r"k must be on the same device as q: got meta, expected cpu"):
+        forward_op(*forward_args(q, k.to("meta"), v))

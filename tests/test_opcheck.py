@@ -1,0 +1,41 @@
+"""torch.library.opcheck on both ops over the shared sample cases.
+
+opcheck runs test_schema (no aliasing/mutation the schema does not declare),
+test_autograd_registration (the forward's autograd is registered through
+torch.library, see flashattn_ext/ops.py), test_faketensor (the fake kernels
+give exactly the real outputs' sizes, strides and dtypes) and
+test_aot_dispatch_dynamic (eager vs AOT autograd with dynamic shapes, forward
+and backward). None is skipped: every one applies to these ops."""
+
+import pytest
+import torch
+
+from sample_inputs import CASES_BY_NAME, cases_tagged
+
+OPCHECK_CASES = [case for case in cases_tagged("opcheck") if case.op_compatible]
+# fp64 is the dtype of gradcheck; a few cases are enough to cover its code path.
+FP64_CASES = ["basic", "all_features", "mixed_strides"]
+
+PARAMS = ([pytest.param(case, torch.float32, id=f"{case.name}-float32") for case in OPCHECK_CASES]
+          + [pytest.param(CASES_BY_NAME[name], torch.float64, id=f"{name}-float64") for name in FP64_CASES])
+
+
+@pytest.mark.parametrize("case,dtype", PARAMS)
+def test_opcheck_attention_forward(case, dtype):
+    inputs = case.make(dtype, requires_grad=True)
+    torch.library.opcheck(torch.ops.flashattn_ext.attention_forward.default, inputs.forward_op_args())
+
+
+@pytest.mark.parametrize("case,dtype", PARAMS)
+def test_opcheck_attention_backward(case, dtype):
+    # The backward op has no autograd formula of its own (no double backward), so
+    # its inputs do not require grad.
+    inputs = case.make(dtype, requires_grad=False)
+    out, lse = torch.ops.flashattn_ext.attention_forward(*inputs.forward_op_args())
+    torch.library.opcheck(torch.ops.flashattn_ext.attention_backward.default,
+                          inputs.backward_op_args(out, lse))
+
+
+def test_opcheck_forward_without_grad():
+    inputs = CASES_BY_NAME["gqa_2"].make(torch.float32, requires_grad=False)
+    torch.library.opcheck(torch.ops.flashattn_ext.attention_forward.default, inputs.forward_op_args())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Everything the GPU machine is for, in one call: build the extension with the
+# CUDA kernels, run the GPU tests, the forward tile sweep and the benchmarks.
+# Logs and result files are written under a work folder and packed into one
+# archive, $OUT/gpu_results.tgz (the device tool brings back only a few files).
+#
+#   bash tools/gpu_check.sh [build] [tests] [sweep] [bench] [bench-full]   (default: build tests)
+#
+# Environment: OUT (default /tmp/flashattn_gpu_out), GPU_WORK (the work folder),
+# MAX_JOBS (default 16),
+# FLASHATTN_CUDA_ARCHS (default 90: only the GPU's own arch, for a quick build),
+# FLASHATTN_HEAD_DIMS (restrict the compiled tiles while iterating),
+# PYTEST_ARGS (extra pytest arguments, e.g. "-k d128").
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-/tmp/flashattn_gpu_out}"
+WORK="${GPU_WORK:-/tmp/flashattn_gpu_work}"
+mkdir -p "$OUT" "$WORK"
+trap 'tar czf "$OUT/gpu_results.tgz" -C "$WORK" . 2>/dev/null' EXIT
+export MAX_JOBS="${MAX_JOBS:-16}" FLASHATTN_FORCE_CUDA=1 FLASHATTN_CUDA_ARCHS="${FLASHATTN_CUDA_ARCHS:-90}"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(build tests)
+status=0
+
+in_dir() { local dir="$1"; shift; (cd "$dir" && exec "$@"); }
+
+run_stage() {
+  local name="$1"; shift
+  local start=$SECONDS
+  echo "=== $name: $*"
+  "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - start)) s (log: $name.log)"
+  tail -n "${TAIL_LINES:-25}" "$WORK/$name.log"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+      # Editable: the source tree is the installed package, so scripts run from the
+      # repository root (benchmarks/) import the built extension too.
+      run_stage build "$PY" -m pip install --no-build-isolation --no-deps -v -e . || exit 1
+      "$PY" -m flashattn_ext | tee "$WORK/environment.txt" ;;
+    tests)
+      # One pytest process per file, so a crash in one file still reports the others;
+      # from /tmp, as CI runs them (pytest from outside the source root).
+      for test_file in "$ROOT"/tests/test_*cuda*.py; do
+        run_stage "gpu_$(basename "$test_file" .py)" in_dir /tmp timeout "${TEST_TIMEOUT_S:-400}" \
+          "$PY" -m pytest -q -rfE --tb=line --maxfail=40 -p no:cacheprovider -m gpu ${PYTEST_ARGS:-} \
+          "$test_file"
+      done ;;
+    sweep)
+      run_stage sweep_build nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -I csrc -I csrc/cuda \
+        benchmarks/kernels/forward_tile_sweep.cu -o /tmp/forward_tile_sweep &&
+      TAIL_LINES=80 run_stage sweep /tmp/forward_tile_sweep ;;
+    bench)
+      TAIL_LINES=80 run_stage bench "$PY" benchmarks/bench_attention.py --quick --out "$WORK/bench" ;;
+    bench-full)
+      TAIL_LINES=120 run_stage bench_full bash benchmarks/run_all.sh "$WORK/bench_full" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+exit $status
