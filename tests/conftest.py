@@ -37,10 +37,11 @@ def _install_kind() -> str:
 INSTALL_KIND = _install_kind()
 
 # An editable install runs the source tree by design. Otherwise the package must
-# come from site-packages: a source-tree import (e.g. `python -m pytest` from the
-# repository root, which puts the working directory on sys.path) would test
-# files that the install may not contain.
-if (INSTALL_KIND != "editable" and PACKAGE_DIR.is_relative_to(REPO_ROOT)
+# not be the source tree's flashattn_ext/ (a .venv inside the repository is
+# fine): a source-tree import (e.g. `python -m pytest` from the repository root,
+# which puts the working directory on sys.path) would test files that the
+# install may not contain.
+if (INSTALL_KIND != "editable" and PACKAGE_DIR == REPO_ROOT / "flashattn_ext"
         and os.environ.get("FLASHATTN_TEST_SOURCE_TREE") != "1"):
     raise pytest.UsageError(
         f"flashattn_ext was imported from the source tree ({PACKAGE_DIR}) but is {INSTALL_KIND} "

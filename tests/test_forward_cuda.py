@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import flashattn_ext
+from cuda_inputs import LOW_PRECISION, poison_allocator, random_inputs
 from reference import assert_error_rule, attention_reference
 
 pytestmark = [
@@ -23,30 +24,6 @@ pytestmark = [
 
 HEAD_DIMS = (32, 40, 59, 64, 80, 96, 128, 160, 192, 224, 256)
 SEQLEN_PAIRS = ((1, 239), (239, 1), (113, 203), (1023, 1024), (2048, 2048), (3, 799))
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def poison_allocator(device="cuda", nbytes=1 << 28):
-    """Fills a large block of the caching allocator with NaN and frees it, so the
-    op's outputs (allocated next, with at::empty) start as NaN, not as zeros."""
-    torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(float("nan"))
-
-
-def random_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, layout="contiguous",
-                  seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
-
-    if layout == "contiguous":
-        return (randn(batch, seqlen_q, nheads, head_dim), randn(batch, seqlen_k, nheads_kv, head_dim),
-                randn(batch, seqlen_k, nheads_kv, head_dim))
-    # Every tensor a different layout: q a slice of packed qkv, k head-major, v seqlen-major.
-    q = randn(batch, seqlen_q, 3, nheads, head_dim)[:, :, 0]
-    k = randn(batch, nheads_kv, seqlen_k, head_dim).transpose(1, 2)
-    v = randn(seqlen_k, nheads_kv, batch, head_dim).permute(2, 0, 1, 3)
-    return q, k, v
 
 
 def check_forward(q, k, v, causal=False, window=(-1, -1), context=""):
@@ -70,7 +47,7 @@ def check_forward(q, k, v, causal=False, window=(-1, -1), context=""):
 def test_forward_head_dims_and_seqlens(head_dim, seqlens, causal, dtype):
     sq, sk = seqlens
     batch, nheads = (1, 2) if sq * sk > 10**6 else (2, 3)
-    q, k, v = random_inputs(batch, sq, sk, nheads, nheads, head_dim, dtype, seed=head_dim + sq)
+    q, k, v, _ = random_inputs(batch, sq, sk, nheads, nheads, head_dim, dtype, seed=head_dim + sq)
     check_forward(q, k, v, causal=causal, context=f"d={head_dim} sq={sq} sk={sk} causal={causal}")
 
 
@@ -82,21 +59,21 @@ def test_forward_head_dims_and_seqlens(head_dim, seqlens, causal, dtype):
 def test_forward_window_gqa_strides(head_dim, window, gqa_ratio, dtype):
     for (sq, sk), causal, layout in itertools.product(((257, 300), (300, 257)), (False, True),
                                                       ("contiguous", "mixed")):
-        q, k, v = random_inputs(2, sq, sk, 8, 8 // gqa_ratio, head_dim, dtype, layout=layout, seed=sq)
+        q, k, v, _ = random_inputs(2, sq, sk, 8, 8 // gqa_ratio, head_dim, dtype, layout=layout, seed=sq)
         check_forward(q, k, v, causal=causal, window=window,
                       context=f"window={window} gqa={gqa_ratio} sq={sq} sk={sk} causal={causal} {layout}")
 
 
 def test_forward_fully_masked_rows_are_zero_with_infinite_lse():
     # seqlen_q > seqlen_k, causal (bottom-right): the first 150 rows see no key.
-    q, k, v = random_inputs(1, 250, 100, 2, 2, 64, torch.bfloat16)
+    q, k, v, _ = random_inputs(1, 250, 100, 2, 2, 64, torch.bfloat16)
     out, lse = check_forward(q, k, v, causal=True)
     assert torch.all(out[:, :150] == 0) and torch.all(torch.isposinf(lse[:, :, :150]))
     assert not torch.isnan(out).any()
 
 
 def test_forward_repeated_runs_are_bit_identical():
-    q, k, v = random_inputs(2, 1000, 1500, 4, 2, 128, torch.bfloat16)
+    q, k, v, _ = random_inputs(2, 1000, 1500, 4, 2, 128, torch.bfloat16)
     first = torch.ops.flashattn_ext.attention_forward(q, k, v, 0.1, True, -1, -1, 0.0, None, 0.0, None)
     for _ in range(10):
         again = torch.ops.flashattn_ext.attention_forward(q, k, v, 0.1, True, -1, -1, 0.0, None, 0.0, None)
@@ -105,12 +82,12 @@ def test_forward_repeated_runs_are_bit_identical():
 
 def test_forward_batch_times_heads_over_grid_limit():
     # 1100 x 64 = 70400 (batch, head) pairs: more than a grid's y/z dimension holds.
-    q, k, v = random_inputs(1100, 3, 5, 64, 64, 32, torch.float16)
+    q, k, v, _ = random_inputs(1100, 3, 5, 64, 64, 32, torch.float16)
     check_forward(q, k, v, causal=False)
 
 
 def test_forward_runs_on_the_current_stream():
-    q, k, v = random_inputs(2, 512, 512, 4, 4, 64, torch.bfloat16)
+    q, k, v, _ = random_inputs(2, 512, 512, 4, 4, 64, torch.bfloat16)
     expected = flashattn_ext.flash_attn_func(q, k, v)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -130,7 +107,7 @@ def test_forward_runs_on_the_current_stream():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
 def test_forward_on_second_device():
-    q, k, v = (t.to("cuda:1") for t in random_inputs(2, 300, 300, 4, 4, 64, torch.bfloat16))
+    q, k, v = (t.to("cuda:1") for t in random_inputs(2, 300, 300, 4, 4, 64, torch.bfloat16)[:3])
     with torch.cuda.device(0):
         out, lse = torch.ops.flashattn_ext.attention_forward(q, k, v, 0.125, False, -1, -1, 0.0, None,
                                                              0.0, None)
@@ -140,7 +117,7 @@ def test_forward_on_second_device():
 
 
 def test_forward_refuses_cuda_only_gaps_by_name():
-    q, k, v = random_inputs(1, 16, 16, 2, 2, 64, torch.bfloat16)
+    q, k, v, _ = random_inputs(1, 16, 16, 2, 2, 64, torch.bfloat16)
     with pytest.raises(NotImplementedError, match="softcap is not implemented on CUDA"):
         flashattn_ext.flash_attn_func(q, k, v, softcap=2.0)
     with pytest.raises(NotImplementedError, match="alibi_slopes is not implemented on CUDA"):

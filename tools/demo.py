@@ -60,9 +60,13 @@ def ours(q, k, v, causal):
     return flash_attn_func(q, k, v, causal=causal)
 
 
-def forward_backward(fn, q, k, v, dout, causal):
-    for t in (q, k, v):
+def clear_grads(*tensors):
+    for t in tensors:
         t.grad = None
+
+
+def forward_backward(fn, q, k, v, dout, causal):
+    clear_grads(q, k, v)
     out = fn(q, k, v, causal)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
@@ -231,8 +235,11 @@ def main(argv=None):
         try:
             t_fwd = time_ms(fwd, device, iters, warmup=2 if cuda else 1)
             t_all = time_ms(fwd_bwd, device, iters, warmup=2 if cuda else 1)
+            # Measured from a state without gradients, so that the fresh dq, dk, dv count.
+            clear_grads(q, k, v)
             mem = peak_extra_mib(fwd_bwd, device)
-            rows.append((name, t_fwd, t_all, total_flops / t_all / 1e9, mem))
+            clear_grads(q, k, v)
+            rows.append((name, t_fwd, t_all, total_flops / (t_all * 1e-3) / 1e9, mem))
         except (RuntimeError, NotImplementedError) as e:
             rows.append((name, None, None, None, None))
             print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0]}")
