@@ -14,13 +14,15 @@ namespace flashattn {
 // The tile plan: block shape per head-dim tile width W, the one place these are chosen.
 // What bounds them:
 //  - registers: each thread holds its rows' O accumulator (rows_per_warp * W / 32
-//    floats) and S block (rows_per_warp * kBlockN / 32 floats) within 255;
+//    floats) and S block (rows_per_warp * kBlockN / 32 floats) within 255, without
+//    spills (checked with -Xptxas -v for every shape below);
 //  - shared-memory bandwidth: a warp reads all of K and V per block, so a warp
 //    owning 32 rows (two m16 tiles) halves those reads per FLOP against 16 rows;
-//    that is kept wherever the registers allow (W <= 128);
-//  - shared memory: Q (kBlockM x W) + K + V (kBlockN x W each), padded rows, must
-//    fit the device's opt-in limit: 227 KB on sm_90, 163 KB on sm_80, 99 KB on
-//    sm_86/89, where the large widths fall back to a smaller tile.
+//    that is kept wherever the registers allow (W = 64, 128: 32 rows per warp ran
+//    1.2-1.5x faster than 16 on the H200, benchmarks/RESULTS.md);
+//  - shared memory: Q (kBlockM x W) + 2 stages x (K + V) (kBlockN x W each), padded
+//    rows, must fit the device's opt-in limit: 227 KB on sm_90, 163 KB on sm_80,
+//    99 KB on sm_86/89, where the large widths fall back to a smaller tile.
 template <int W>
 struct ForwardTilePlan;
 template <>
