@@ -10,7 +10,7 @@
 
 #include "attention_api.h"
 #include "attention_ops.h"
-#include "backward_launch.cuh"
+#include "backward_launch.h"
 #include "cuda_backend.h"
 #include "head_dim_tiles.h"
 
