@@ -46,7 +46,24 @@ for stage in "${stages[@]}"; do
       # Editable: the source tree is the installed package, so scripts run from the
       # repository root (benchmarks/) import the built extension too.
       run_stage build "$PY" -m pip install --no-build-isolation --no-deps -v -e . || exit 1
-      "$PY" -m flashattn_ext | tee "$WORK/environment.txt" ;;
+      in_dir /tmp "$PY" -m flashattn_ext | tee "$WORK/environment.txt"
+      # The toolchain facts behind the crash on C++ argument errors seen on this
+      # machine (benchmarks/RESULTS.md): the link command's flags, and whether
+      # libstdc++'s stream/locale code ended up defined inside the extension.
+      {
+        "$PY" -c 'import sysconfig; print("LDSHARED:", sysconfig.get_config_var("LDSHARED"))'
+        env | grep -E '^(CFLAGS|CXXFLAGS|LDFLAGS|CPPFLAGS)=' || echo "no *FLAGS in the environment"
+        c++ --version | head -1
+        echo "libstdc++ stream/locale symbols defined in _C: $(nm -C --defined-only flashattn_ext/_C*.so \
+          | grep -cE 'std::(basic_ostream|codecvt|locale|num_put)')"
+        in_dir /tmp "$PY" -c 'import torch, flashattn_ext
+q = torch.randn(1, 4, 2, 64)
+try:
+    torch.ops.flashattn_ext.attention_forward(q[0], q, q, 0.1, False, -1, -1, 0.0, None, 0.0, None)
+except RuntimeError as e:
+    print("a C++ argument error raises:", str(e)[:60])'
+        echo "argument-error probe exit status: $? (139 = the crash)"
+      } 2>&1 | tee "$WORK/toolchain.txt" ;;
     tests)
       # One pytest process per file, so a crash in one file still reports the others;
       # from /tmp, as CI runs them (pytest from outside the source root).
