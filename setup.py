@@ -3,8 +3,9 @@
 Environment:
   FLASHATTN_FORCE_CUDA=1   build the CUDA kernels, fail if no CUDA toolkit is found
   FLASHATTN_SKIP_CUDA=1    CPU-only build even where a toolkit exists
-  FLASHATTN_CUDA_ARCHS     compute capabilities, e.g. "80;90" (default); "+PTX" on the
-                           last one embeds PTX for newer GPUs (default "80;90+PTX")
+  FLASHATTN_CUDA_ARCHS     compute capabilities (default "80;90a+PTX"): "90a" is Hopper's
+                           own target, which the wgmma/TMA kernels need; "+PTX" on the
+                           last one embeds PTX for newer GPUs
   FLASHATTN_HEAD_DIMS      comma list of head-dim tile widths to compile (default: all)
   CUDA_HOME / CUDA_PATH    the toolkit root (else the standard install root is searched)
   MAX_JOBS                 parallel compile jobs (ninja)
@@ -73,15 +74,24 @@ def selected_tiles(all_tiles):
 
 
 def gencode_flags(archs):
+    """nvcc flags for an arch list such as "80;90a+PTX": machine code for each
+    entry; "+PTX" adds PTX of that compute capability for newer GPUs (of the
+    portable target: "90a+PTX" embeds compute_90, since sm_90a PTX runs on 9.0 only).
+    Returns the flags, the list as recorded, and whether sm_90a code is built
+    (the Hopper kernels: wgmma, TMA, setmaxnreg)."""
     flags = []
     entries = [a.strip() for a in re.split(r"[;, ]+", archs) if a.strip()]
     for entry in entries:
         ptx = entry.endswith("+PTX")
         cc = entry.replace("+PTX", "").replace(".", "")
+        if not re.fullmatch(r"\d+a?", cc):
+            sys.exit(f"flashattn_ext: FLASHATTN_CUDA_ARCHS entry {entry!r} is not like 80, 90a or 90a+PTX")
         flags.append(f"-gencode=arch=compute_{cc},code=sm_{cc}")
         if ptx:
-            flags.append(f"-gencode=arch=compute_{cc},code=compute_{cc}")
-    return flags, ";".join(entries)
+            portable = cc.rstrip("a")
+            flags.append(f"-gencode=arch=compute_{portable},code=compute_{portable}")
+    with_sm90a = any(e.replace("+PTX", "") == "90a" for e in entries)
+    return flags, ";".join(entries), with_sm90a
 
 
 def write_build_config(defines):
@@ -98,6 +108,28 @@ def write_build_config(defines):
         with open(path, "w") as f:
             f.write(text)
     return folder
+
+
+def libstdcxx_link_args():
+    """Link the extension against the libstdc++.so that torch runs with.
+
+    Some toolchains link libstdc++ statically into shared objects (seen: a g++ in
+    /opt/gcc named by CXX, which torch.utils.cpp_extension uses). A static copy
+    beside the process's shared one crashes the first time a C++ error message is
+    formatted (half of the stream and locale state binds to each copy). Naming
+    the loaded libstdc++.so.6 first resolves every libstdc++ symbol to it; any
+    archive member still pulled in for a symbol it lacks is kept private
+    (--exclude-libs), so the two copies never share state."""
+    if not sys.platform.startswith("linux"):
+        return []
+    import torch  # noqa: F401  (loads the libstdc++ torch runs with)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    except OSError:
+        loaded = set()
+    return sorted(loaded)[:1] + ["-Wl,--exclude-libs,libstdc++.a"]
 
 
 def torch_parallel_backend():
@@ -133,7 +165,7 @@ def extensions():
         tiles = selected_tiles(groups["tiles"])
         sources += groups["cuda"]
         sources += [p.replace("{W}", w) for p in groups["cuda_tile"] for w in tiles]
-        gencode, arch_list = gencode_flags(os.environ.get("FLASHATTN_CUDA_ARCHS", "80;90+PTX"))
+        gencode, arch_list, with_sm90a = gencode_flags(os.environ.get("FLASHATTN_CUDA_ARCHS", "80;90a+PTX"))
         cuda_version = re.search(r"release (\S+),", os.popen(f"{cuda_home}/bin/nvcc --version").read())
         defines += [
             ("FLASHATTN_WITH_CUDA", None),
@@ -141,6 +173,8 @@ def extensions():
             ("FLASHATTN_BUILD_CUDA_ARCHS", f'"{arch_list}"'),
             ("FLASHATTN_BUILD_HEAD_DIM_TILES", f'"{" ".join(tiles)}"'),
         ] + [(f"FLASHATTN_TILE_{w}", None) for w in tiles]
+        if with_sm90a:
+            defines.append(("FLASHATTN_BUILD_SM90A", None))
         nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"] + gencode
         print(f"flashattn_ext: building CUDA kernels with {cuda_home} for {arch_list}, "
               f"head-dim tiles {' '.join(tiles)}")
@@ -155,7 +189,7 @@ def extensions():
         sources=[os.path.join("csrc", s) for s in sources],
         include_dirs=[CSRC, os.path.join(CSRC, "cuda"), generated],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags} if with_cuda else {"cxx": cxx_flags},
-        extra_link_args=openmp,
+        extra_link_args=openmp + libstdcxx_link_args(),
     )
     return [ext], BuildExtension
 

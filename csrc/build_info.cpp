@@ -31,6 +31,11 @@ std::vector<std::pair<std::string, std::string>> build_info() {
 #else
       {"cuda_kernels", "no"},
 #endif
+#ifdef FLASHATTN_BUILD_SM90A
+      {"hopper_kernels", "yes"},
+#else
+      {"hopper_kernels", "no"},
+#endif
   };
 }
 

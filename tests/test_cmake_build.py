@@ -110,7 +110,7 @@ def cuda_build(tmp_path_factory):
         pytest.skip("FLASHATTN_TEST_CMAKE_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME)")
     return _build(tmp_path_factory, "cmake_cuda",
                   ["-DFLASHATTN_WITH_CUDA=ON", "-DFLASHATTN_HEAD_DIMS=64",
-                   "-DCMAKE_CUDA_ARCHITECTURES=80-real;90-real;90-virtual"])
+                   "-DCMAKE_CUDA_ARCHITECTURES=80-real;90a-real;90-virtual"])
 
 
 # Runs in a fresh interpreter: loads the library and checks the ops; prints one
@@ -238,9 +238,10 @@ def test_cmake_cuda_library(cuda_build):
         "FLASHATTN_BUILD_VERSION": f'"{_setup_py_version()}"',
         "FLASHATTN_WITH_CUDA": None,
         "FLASHATTN_BUILD_CUDA_VERSION": f'"{cuda_version}"',
-        "FLASHATTN_BUILD_CUDA_ARCHS": '"80;90+PTX"',
+        "FLASHATTN_BUILD_CUDA_ARCHS": '"80;90a+PTX"',
         "FLASHATTN_BUILD_HEAD_DIM_TILES": '"64"',
         "FLASHATTN_TILE_64": None,
+        "FLASHATTN_BUILD_SM90A": None,
     }
     assert "64" in _read_tiles()
     report = _load_and_check(library, want_cuda=True)

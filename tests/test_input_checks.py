@@ -7,6 +7,9 @@ tensors (the fake kernels of flashattn_ext/ops.py, which run the Python checks),
 so both implementations are held to the same message patterns."""
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -313,3 +316,23 @@ def test_op_device_mismatch_meta():
     q, k, v = qkv()
     with pytest.raises(RuntimeError, match=r"k must be on the same device as q: got meta, expected cpu"):
         forward_op(*forward_args(q, k.to("meta"), v))
+
+
+def test_cpp_error_raises_in_a_fresh_process(tmp_path):
+    """The first C++ error of a process raises, it does not crash it. Seen on a
+    machine whose compiler linked libstdc++ statically into the extension: every
+    TORCH_CHECK message segfaulted (setup.py's libstdcxx_link_args is the fix).
+    Run in a subprocess so that such a crash fails this test instead of pytest."""
+    script = textwrap.dedent("""
+        import torch, flashattn_ext
+        q = torch.randn(1, 4, 2, 16)
+        try:
+            torch.ops.flashattn_ext.attention_forward(q[0], q, q, 0.25, False, -1, -1, 0.0, None, 0.0, None)
+        except RuntimeError as e:
+            print("raised:", str(e).splitlines()[0])
+    """)
+    # From a folder outside the source tree, so the installed package is imported.
+    run = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, f"exit {run.returncode}:\n{run.stdout[-2000:]}"
+    assert "raised:" in run.stdout and "q" in run.stdout, run.stdout

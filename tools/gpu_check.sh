@@ -4,11 +4,11 @@
 # Logs and result files are written under a work folder and packed into one
 # archive, $OUT/gpu_results.tgz (the device tool brings back only a few files).
 #
-#   bash tools/gpu_check.sh [build] [tests] [sweep] [bench] [bench-full]   (default: build tests)
+#   bash tools/gpu_check.sh [build] [tests] [sanitize] [sweep] [bench] [bench-full]   (default: build tests)
 #
 # Environment: OUT (default /tmp/flashattn_gpu_out), GPU_WORK (the work folder),
 # MAX_JOBS (default 16),
-# FLASHATTN_CUDA_ARCHS (default 90: only the GPU's own arch, for a quick build),
+# FLASHATTN_CUDA_ARCHS (default 90a: only the GPU's own target, for a quick build),
 # FLASHATTN_HEAD_DIMS (restrict the compiled tiles while iterating),
 # PYTEST_ARGS (extra pytest arguments, e.g. "-k d128").
 set -uo pipefail
@@ -18,7 +18,7 @@ OUT="${OUT:-/tmp/flashattn_gpu_out}"
 WORK="${GPU_WORK:-/tmp/flashattn_gpu_work}"
 mkdir -p "$OUT" "$WORK"
 trap 'tar czf "$OUT/gpu_results.tgz" -C "$WORK" . 2>/dev/null' EXIT
-export MAX_JOBS="${MAX_JOBS:-16}" FLASHATTN_FORCE_CUDA=1 FLASHATTN_CUDA_ARCHS="${FLASHATTN_CUDA_ARCHS:-90}"
+export MAX_JOBS="${MAX_JOBS:-16}" FLASHATTN_FORCE_CUDA=1 FLASHATTN_CUDA_ARCHS="${FLASHATTN_CUDA_ARCHS:-90a}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 stages=("$@")
@@ -56,6 +56,10 @@ for stage in "${stages[@]}"; do
         c++ --version | head -1
         echo "libstdc++ stream/locale symbols defined in _C: $(nm -C --defined-only flashattn_ext/_C*.so \
           | grep -cE 'std::(basic_ostream|codecvt|locale|num_put)')"
+        echo "link line: $(grep -E -- ' -shared ' "$WORK/build.log" | tail -1 | tr ' ' '\n' \
+          | grep -vE '^-I|\.o$' | tr '\n' ' ')"
+        readelf -d flashattn_ext/_C*.so | grep NEEDED
+        nm -C --defined-only flashattn_ext/_C*.so | grep -E 'codecvt|basic_ostream' | head -5
         in_dir /tmp "$PY" -c 'import torch, flashattn_ext
 q = torch.randn(1, 4, 2, 64)
 try:
@@ -67,15 +71,32 @@ except RuntimeError as e:
     tests)
       # One pytest process per file, so a crash in one file still reports the others;
       # from /tmp, as CI runs them (pytest from outside the source root).
+      # The files run side by side (the GPU has room for both; nothing here is timed).
       for test_file in "$ROOT"/tests/test_*cuda*.py; do
         run_stage "gpu_$(basename "$test_file" .py)" in_dir /tmp timeout "${TEST_TIMEOUT_S:-400}" \
           "$PY" -m pytest -q -rfE --tb=line --maxfail=40 -p no:cacheprovider -m gpu ${PYTEST_ARGS:-} \
-          "$test_file"
+          "$test_file" > "$WORK/stage_$(basename "$test_file" .py).txt" &
+      done
+      wait
+      cat "$WORK"/stage_test_*.txt
+      grep -q "exit [1-9]" "$WORK"/stage_test_*.txt && status=1 ;;
+    sanitize)
+      # memcheck and racecheck over odd shapes, both kernel families (tools/sanitizer_shapes.py).
+      for tool in memcheck racecheck; do
+        for family in default sm80; do
+          disable=""; [ "$family" = sm80 ] && disable=1
+          TAIL_LINES=8 run_stage "sanitize_${tool}_${family}" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+            FLASHATTN_DISABLE_HOPPER_KERNELS="$disable" timeout "${SANITIZE_TIMEOUT_S:-200}" \
+            compute-sanitizer --tool "$tool" --error-exitcode 3 "$PY" tools/sanitizer_shapes.py
+        done
       done ;;
     sweep)
-      run_stage sweep_build nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -I csrc -I csrc/cuda \
-        benchmarks/kernels/forward_tile_sweep.cu -o /tmp/forward_tile_sweep &&
-      TAIL_LINES=80 run_stage sweep /tmp/forward_tile_sweep ;;
+      # The Hopper kernel's shapes (SWEEP_SHAPES_HEADER: a header defining
+      # FLASHATTN_SWEEP_SHAPES, to try others) and the sm80 kernel's.
+      run_stage sweep_build nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc -I csrc/cuda \
+        -DFLASHATTN_SWEEP_SM90 ${SWEEP_SHAPES_HEADER:+-include "$SWEEP_SHAPES_HEADER"} \
+        benchmarks/kernels/forward_tile_sweep.cu -o /tmp/forward_tile_sweep_sm90 &&
+      TAIL_LINES=80 run_stage sweep_sm90 timeout 300 /tmp/forward_tile_sweep_sm90 ;;
     bench)
       TAIL_LINES=80 run_stage bench "$PY" benchmarks/bench_attention.py --quick --out "$WORK/bench" ;;
     bench-full)

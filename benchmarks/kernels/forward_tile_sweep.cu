@@ -5,8 +5,9 @@
 // csrc/cuda/forward_launch.cuh; torch-free so it builds in seconds.
 //
 // Build (on the GPU machine, or here and carry the binary):
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -I csrc -I csrc/cuda \
+//   nvcc -std=c++20 -O3 -gencode=arch=compute_90,code=sm_90 -I csrc -I csrc/cuda \
 //        benchmarks/kernels/forward_tile_sweep.cu -o forward_tile_sweep
+//   (the Hopper kernel: -gencode=arch=compute_90a,code=sm_90a -DFLASHATTN_SWEEP_SM90)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -18,10 +19,18 @@
 #include <vector>
 
 #include "forward_launch.cuh"
+#include "forward_launch_sm90.cuh"
+#include "sweep_common.cuh"
 
-// The candidates, as a list of ForwardTileShape<W, kBlockM, kBlockN, kWarps>;
-// override with -DFLASHATTN_SWEEP_SHAPES=... to try others.
-#ifndef FLASHATTN_SWEEP_SHAPES
+// The candidates, as a list of ForwardTileShape<W, kBlockM, kBlockN, kWarps>
+// (mma.sync kernel) or, with -DFLASHATTN_SWEEP_SM90 (and an sm_90a build),
+// Sm90ForwardShape<W, kBlockN, consumer warpgroups> (wgmma kernel); a header
+// given with -include that defines FLASHATTN_SWEEP_SHAPES overrides both.
+#if defined(FLASHATTN_SWEEP_SHAPES)
+#elif defined(FLASHATTN_SWEEP_SM90)
+#define FLASHATTN_SWEEP_SHAPES \
+  Sm90ForwardShape<64, 128, 2>, Sm90ForwardShape<128, 128, 2>, Sm90ForwardShape<256, 64, 2>
+#else
 #define FLASHATTN_SWEEP_SHAPES                                                          \
   ForwardTileShape<64, 128, 64, 4>, ForwardTileShape<64, 128, 128, 8>,                  \
       ForwardTileShape<64, 64, 128, 4>, ForwardTileShape<128, 128, 64, 4>,              \
@@ -33,14 +42,29 @@
 using namespace flashattn;
 using bf16 = __nv_bfloat16;
 
-#define CUDA_OK(call)                                                                  \
-  do {                                                                                 \
-    cudaError_t e_ = (call);                                                           \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
+template <typename Shape>
+constexpr bool kIsSm90Shape = requires { Shape::kConsumerWarpgroups; };
+
+template <typename Shape>
+cudaError_t launch_shape(const AttentionFwdParams& p) {
+  if constexpr (kIsSm90Shape<Shape>) {
+    bool launched = false;
+    const cudaError_t e = launch_forward_sm90<bf16, Shape>(p, 0, &launched);
+    return e == cudaSuccess && !launched ? cudaErrorNotSupported : e;
+  } else {
+    return launch_forward_with_shape<bf16, Shape>(p, 0);
+  }
+}
+
+template <typename Shape>
+void describe(char* buf, size_t n) {
+  if constexpr (kIsSm90Shape<Shape>)
+    std::snprintf(buf, n, "sm90 M=%3d N=%3d consumer_wgs=%d stages=%d", Shape::kBlockM, Shape::kBlockN,
+                  Shape::kConsumerWarpgroups, Shape::kStages);
+  else
+    std::snprintf(buf, n, "sm80 M=%3d N=%3d warps=%d ks_unroll=%d", Shape::kBlockM, Shape::kBlockN,
+                  Shape::kWarps, Shape::kScoreKUnroll);
+}
 
 // One thread per query row: the plain definition, with the library's mask.
 __global__ void reference_forward(AttentionFwdParams p, float* out) {
@@ -93,14 +117,9 @@ struct Problem {
 Problem make_problem(int batch, int nheads, int seqlen, int head_dim, bool causal, std::mt19937& rng) {
   Problem pr{batch, nheads, seqlen, head_dim, causal};
   const size_t n = size_t(batch) * seqlen * nheads * head_dim;
-  std::vector<bf16> host(n);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  bf16** bufs[3] = {&pr.q, &pr.k, &pr.v};
-  for (bf16** b : bufs) {
-    for (auto& x : host) x = __float2bfloat16(dist(rng));
-    CUDA_OK(cudaMalloc(b, n * sizeof(bf16)));
-    CUDA_OK(cudaMemcpy(*b, host.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
-  }
+  pr.q = bench::random_normal_bf16(n, rng);
+  pr.k = bench::random_normal_bf16(n, rng);
+  pr.v = bench::random_normal_bf16(n, rng);
   CUDA_OK(cudaMalloc(&pr.out, n * sizeof(bf16)));
   CUDA_OK(cudaMalloc(&pr.lse, size_t(batch) * nheads * seqlen * sizeof(float)));
   return pr;
@@ -116,7 +135,7 @@ float max_error_vs_reference(std::mt19937& rng, bool causal) {
   const AttentionFwdParams p = pr.params();
   const size_t n = size_t(pr.batch) * pr.seqlen * pr.nheads * pr.head_dim;
   CUDA_OK(cudaMemset(pr.out, 0xff, n * sizeof(bf16)));  // NaN poison
-  CUDA_OK((launch_forward_with_shape<bf16, Shape>(p, 0)));
+  CUDA_OK(launch_shape<Shape>(p));
   float* ref;
   CUDA_OK(cudaMalloc(&ref, n * sizeof(float)));
   const int rows = pr.batch * pr.nheads * pr.seqlen;
@@ -140,31 +159,16 @@ template <typename Shape>
 void sweep_shape(std::mt19937& rng) {
   const float err = std::max(max_error_vs_reference<Shape>(rng, false), max_error_vs_reference<Shape>(rng, true));
   for (bool causal : {false, true}) {
-    for (int seqlen : {2048, 8192}) {
+    for (int seqlen : {1024, 2048, 8192}) {
       const int d = Shape::kHeadDim, nheads = 2048 / d, batch = 16384 / seqlen;
       Problem pr = make_problem(batch, nheads, seqlen, d, causal, rng);
       const AttentionFwdParams p = pr.params();
-      cudaEvent_t start, stop;
-      CUDA_OK(cudaEventCreate(&start));
-      CUDA_OK(cudaEventCreate(&stop));
-      std::vector<float> ms;
-      for (int it = 0; it < 13; ++it) {
-        CUDA_OK(cudaEventRecord(start));
-        CUDA_OK((launch_forward_with_shape<bf16, Shape>(p, 0)));
-        CUDA_OK(cudaEventRecord(stop));
-        CUDA_OK(cudaEventSynchronize(stop));
-        float t;
-        CUDA_OK(cudaEventElapsedTime(&t, start, stop));
-        if (it >= 3) ms.push_back(t);
-      }
-      std::sort(ms.begin(), ms.end());
-      const double t = ms[ms.size() / 2] * 1e-3;
-      const double flops = 4.0 * batch * nheads * double(seqlen) * seqlen * d / (causal ? 2 : 1);
-      std::printf("fwd d=%3d M=%3d N=%3d warps=%d ks_unroll=%d smem=%6d causal=%d seqlen=%5d  %7.1f TFLOP/s  max_err=%.3g\n",
-                  d, Shape::kBlockM, Shape::kBlockN, Shape::kWarps, Shape::kScoreKUnroll, Shape::kSmemBytes, causal, seqlen,
-                  flops / t * 1e-12, err);
-      cudaEventDestroy(start);
-      cudaEventDestroy(stop);
+      const double t = bench::median_ms([&] { CUDA_OK(launch_shape<Shape>(p)); }, 3, 10, "forward") * 1e-3;
+      const double flops = bench::forward_flops(batch, nheads, seqlen, d, causal);
+      char what[96];
+      describe<Shape>(what, sizeof(what));
+      std::printf("fwd d=%3d %s smem=%6d causal=%d seqlen=%5d  %7.1f TFLOP/s  max_err=%.3g\n", d, what,
+                  Shape::kSmemBytes, causal, seqlen, flops / t * 1e-12, err);
       free_problem(pr);
     }
   }

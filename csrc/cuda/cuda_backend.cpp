@@ -3,7 +3,9 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace flashattn {
@@ -34,18 +36,33 @@ DeviceLimits device_limits(const at::Tensor& q) {
   static std::mutex mutex;
   static std::vector<DeviceLimits> cache;
   const int device = q.device().index();
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device >= static_cast<int>(cache.size())) cache.resize(device + 1, DeviceLimits{0, 0});
-  if (cache[device].num_sms == 0) {
-    DeviceLimits limits{};
-    check_cuda_status(cudaDeviceGetAttribute(&limits.max_smem_per_block,
-                                             cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                      "reading the shared-memory limit");
-    check_cuda_status(cudaDeviceGetAttribute(&limits.num_sms, cudaDevAttrMultiProcessorCount, device),
-                      "reading the multiprocessor count");
-    cache[device] = limits;
+  DeviceLimits limits{};
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (device >= static_cast<int>(cache.size())) cache.resize(device + 1, DeviceLimits{});
+    if (cache[device].num_sms == 0) {
+      DeviceLimits read{};
+      check_cuda_status(cudaDeviceGetAttribute(&read.max_smem_per_block,
+                                               cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                        "reading the shared-memory limit");
+      check_cuda_status(cudaDeviceGetAttribute(&read.num_sms, cudaDevAttrMultiProcessorCount, device),
+                        "reading the multiprocessor count");
+      int major = 0, minor = 0;
+      check_cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                        "reading the compute capability");
+      check_cuda_status(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                        "reading the compute capability");
+#ifdef FLASHATTN_BUILD_SM90A
+      read.hopper_kernels = major == 9 && minor == 0;  // sm_90a code runs on 9.0 only
+#endif
+      cache[device] = read;
+    }
+    limits = cache[device];
   }
-  return cache[device];
+  // Read per call, so that one process can time or test both kernel families.
+  const char* disable = std::getenv("FLASHATTN_DISABLE_HOPPER_KERNELS");
+  if (disable != nullptr && *disable != '\0' && std::string(disable) != "0") limits.hopper_kernels = false;
+  return limits;
 }
 
 at::Tensor with_16_byte_rows(const at::Tensor& t) {

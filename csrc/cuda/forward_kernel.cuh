@@ -66,13 +66,13 @@ struct ForwardTileShape {
 // domain (one FMUL; the max is taken after scaling so any sign of softmax_scale
 // is right), the element mask when a boundary cuts the tile (a separate
 // instantiation, so unmasked tiles run straight-line code), the running max and
-// sum, the rescale of O when a max moved, and P = exp2(S - max) left in acc_s.
-template <bool kMasked, int kMTiles, int kNTiles, int kDTiles>
-__device__ __forceinline__ void softmax_update(float (&acc_s)[kMTiles][kNTiles][4],
-                                               float (&acc_o)[kMTiles][kDTiles][4],
-                                               float (&row_max)[kMTiles][2],
-                                               float (&row_sum)[kMTiles][2], float scale_log2,
-                                               const MaskGeometry& mask, int warp_row_begin,
+// sum, and P = exp2(S - max) left in acc_s. The factor each row's O must be
+// scaled by goes to `corrections` (rescale_output applies it), so that a caller
+// can rescale O later, once a product still accumulating into it has finished.
+template <bool kMasked, int kMTiles, int kNTiles>
+__device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][4], float (&row_max)[kMTiles][2],
+                                               float (&row_sum)[kMTiles][2], float (&corrections)[kMTiles][2],
+                                               float scale_log2, const MaskGeometry& mask, int warp_row_begin,
                                                int n_begin, int lane) {
   const int quad_row = lane / 4, quad_col = (lane % 4) * 2;
 #pragma unroll
@@ -89,8 +89,6 @@ __device__ __forceinline__ void softmax_update(float (&acc_s)[kMTiles][kNTiles][
           if (!mask.visible(i, j)) s = -INFINITY;
         }
       }
-  float corrections[kMTiles][2];
-  bool any_max_moved = false;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -116,11 +114,19 @@ __device__ __forceinline__ void softmax_update(float (&acc_s)[kMTiles][kNTiles][
         }
       row_sum[mt][h] = row_sum[mt][h] * correction + sum;
       corrections[mt][h] = correction;
-      any_max_moved |= correction != 1.f;
     }
-  // Past the first blocks the running max rarely moves, so the O rescale (W/8
-  // multiplies per row per block, as many as the scores of a 32-wide block) is
-  // skipped when no row of the warp needs it; exact, since the factor is 1.
+}
+
+// O *= correction per row. Past the first blocks the running max rarely moves,
+// so the rescale (W/8 multiplies per row per block, as many as the scores of a
+// 32-wide block) is skipped when no row of the warp needs it; exact, since the
+// factor is then 1.
+template <int kMTiles, int kDTiles>
+__device__ __forceinline__ void rescale_output(float (&acc_o)[kMTiles][kDTiles][4],
+                                               const float (&corrections)[kMTiles][2]) {
+  bool any_max_moved = false;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) any_max_moved |= corrections[mt][0] != 1.f || corrections[mt][1] != 1.f;
   if (__any_sync(0xffffffffu, any_max_moved)) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -132,6 +138,87 @@ __device__ __forceinline__ void softmax_update(float (&acc_s)[kMTiles][kNTiles][
           acc_o[mt][dt][2 * h + 1] *= corrections[mt][h];
         }
   }
+}
+
+// The whole step where O can be rescaled at once: softmax_scores, then rescale_output.
+template <bool kMasked, int kMTiles, int kNTiles, int kDTiles>
+__device__ __forceinline__ void softmax_update(float (&acc_s)[kMTiles][kNTiles][4],
+                                               float (&acc_o)[kMTiles][kDTiles][4],
+                                               float (&row_max)[kMTiles][2],
+                                               float (&row_sum)[kMTiles][2], float scale_log2,
+                                               const MaskGeometry& mask, int warp_row_begin,
+                                               int n_begin, int lane) {
+  float corrections[kMTiles][2];
+  softmax_scores<kMasked>(acc_s, row_max, row_sum, corrections, scale_log2, mask, warp_row_begin, n_begin, lane);
+  rescale_output(acc_o, corrections);
+}
+
+// What one thread block of the forward owns: a block of kBlockM query rows of
+// one (batch, head), and the key blocks [n_block_first, n_block_last] the mask
+// lets those rows see (none when last < first).
+struct ForwardBlock {
+  int m_begin, head, batch, kv_head;
+  int n_block_first, n_block_last;
+  int valid_q_rows;
+  MaskGeometry mask;
+
+  __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN)
+      : mask{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right} {
+    // Flattened grid (one dimension never overflows for batch * heads > 65535):
+    // query blocks vary fastest, heaviest (last) blocks first for causal balance.
+    const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+    const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
+    const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
+    head = bh % params.nheads_q;
+    batch = bh / params.nheads_q;
+    kv_head = head / (params.nheads_q / params.nheads_kv);
+    m_begin = m_block * kBlockM;
+    valid_q_rows = params.seqlen_q - m_begin;
+    n_block_first = mask.key_begin(m_begin) / kBlockN;
+    n_block_last = (mask.key_end(min(m_begin + kBlockM, params.seqlen_q)) + kBlockN - 1) / kBlockN - 1;
+  }
+  template <typename Element>
+  __device__ __forceinline__ Element* out_rows(const AttentionFwdParams& params) const {
+    return static_cast<Element*>(params.out) + batch * params.out_strides.batch +
+           head * params.out_strides.head + int64_t(m_begin) * params.out_strides.row;
+  }
+  __device__ __forceinline__ float* lse_rows(const AttentionFwdParams& params) const {
+    return params.lse + (int64_t(batch) * params.nheads_q + head) * params.seqlen_q + m_begin;
+  }
+};
+
+// Epilogue: O / l and lse = (m + log2 l) * ln 2 for a warp's rows; a row that
+// saw no key gets O = 0 and lse = +inf, which makes the backward's P exactly 0 for it.
+template <typename Element, int kMTiles, int kDTiles>
+__device__ __forceinline__ void store_forward_rows(const float (&acc_o)[kMTiles][kDTiles][4],
+                                                   const float (&row_max)[kMTiles][2],
+                                                   const float (&row_sum)[kMTiles][2], Element* out_ptr,
+                                                   int64_t out_row_stride, float* lse_ptr, int warp_row,
+                                                   int valid_q_rows, int head_dim, int lane) {
+  using Mma = MmaElement<Element>;
+  const int quad_row = lane / 4, quad_col = (lane % 4) * 2;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = quad_sum(row_sum[mt][h]);
+      const bool has_keys = sum > 0.f;
+      const float inv_sum = has_keys ? 1.f / sum : 0.f;
+      const int row = warp_row + mt * 16 + quad_row + h * 8;
+      if (row < valid_q_rows) {
+        Element* out_row = out_ptr + int64_t(row) * out_row_stride;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int col = dt * 8 + quad_col;
+          if (col < head_dim) {
+            const uint32_t packed = Mma::pack(acc_o[mt][dt][2 * h] * inv_sum, acc_o[mt][dt][2 * h + 1] * inv_sum);
+            *reinterpret_cast<uint32_t*>(out_row + col) = packed;
+          }
+        }
+        if (lane % 4 == 0)
+          lse_ptr[row] = has_keys ? (row_max[mt][h] + log2f(sum)) * float(M_LN2) : INFINITY;
+      }
+    }
 }
 
 template <typename Element, typename Shape>
@@ -150,34 +237,20 @@ __global__ void __launch_bounds__(Shape::kThreads)
   const auto k_smem = [&](int stage) { return q_smem + QTile::kBytes + stage * 2 * KVTile::kBytes; };
   const auto v_smem = [&](int stage) { return k_smem(stage) + KVTile::kBytes; };
 
-  // Flattened grid (one dimension never overflows for batch * heads > 65535):
-  // query blocks vary fastest, heaviest (last) blocks first for causal balance.
-  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-  const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
-  const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
-  const int head = bh % params.nheads_q;
-  const int batch = bh / params.nheads_q;
-  const int kv_head = head / (params.nheads_q / params.nheads_kv);
-
+  const ForwardBlock blk(params, kBlockM, kBlockN);
   const int thread = threadIdx.x;
   const int warp = thread / 32, lane = thread % 32;
-  const int quad_row = lane / 4;       // g: accumulator row within an m16 tile (and +8)
-  const int quad_col = (lane % 4) * 2; // 2t: first of the two accumulator columns
+  const MaskGeometry& mask = blk.mask;
+  const int m_begin = blk.m_begin;
 
-  const int m_begin = m_block * kBlockM;
-  const MaskGeometry mask{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right};
-  const int key_begin = mask.key_begin(m_begin);
-  const int key_end = mask.key_end(min(m_begin + kBlockM, params.seqlen_q));
-
-  const Element* q_ptr = static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
-                         head * params.q_strides.head + int64_t(m_begin) * params.q_strides.row;
-  const Element* k_ptr = static_cast<const Element*>(params.k) + batch * params.k_strides.batch +
-                         kv_head * params.k_strides.head;
-  const Element* v_ptr = static_cast<const Element*>(params.v) + batch * params.v_strides.batch +
-                         kv_head * params.v_strides.head;
-  Element* out_ptr = static_cast<Element*>(params.out) + batch * params.out_strides.batch +
-                     head * params.out_strides.head + int64_t(m_begin) * params.out_strides.row;
-  float* lse_ptr = params.lse + (int64_t(batch) * params.nheads_q + head) * params.seqlen_q + m_begin;
+  const Element* q_ptr = static_cast<const Element*>(params.q) + blk.batch * params.q_strides.batch +
+                         blk.head * params.q_strides.head + int64_t(m_begin) * params.q_strides.row;
+  const Element* k_ptr = static_cast<const Element*>(params.k) + blk.batch * params.k_strides.batch +
+                         blk.kv_head * params.k_strides.head;
+  const Element* v_ptr = static_cast<const Element*>(params.v) + blk.batch * params.v_strides.batch +
+                         blk.kv_head * params.v_strides.head;
+  Element* out_ptr = blk.out_rows<Element>(params);
+  float* lse_ptr = blk.lse_rows(params);
 
   float acc_o[kMTiles][kDTiles][4];
   float row_max[kMTiles][2];  // running max of the log2-domain scores
@@ -195,9 +268,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
     }
   }
 
-  const int n_block_first = key_begin / kBlockN;
-  const int n_block_last = (key_end + kBlockN - 1) / kBlockN - 1;  // < first: no visible key
-  const int valid_q_rows = params.seqlen_q - m_begin;
+  const int n_block_first = blk.n_block_first, n_block_last = blk.n_block_last;
+  const int valid_q_rows = blk.valid_q_rows;
 
   if (n_block_last >= n_block_first) {
     QTile::template load_async<Shape::kThreads>(q_smem, q_ptr, params.q_strides.row, valid_q_rows,
@@ -299,31 +371,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
     }
   }
 
-  // Epilogue: O / l and lse = (m + log2 l) * ln 2; a row that saw no key gets
-  // O = 0 and lse = +inf, which makes the backward's P exactly 0 for it.
-  const int warp_row = warp * Shape::kRowsPerWarp;
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float sum = quad_sum(row_sum[mt][h]);
-      const bool has_keys = sum > 0.f;
-      const float inv_sum = has_keys ? 1.f / sum : 0.f;
-      const int row = warp_row + mt * 16 + quad_row + h * 8;
-      if (row < valid_q_rows) {
-        Element* out_row = out_ptr + int64_t(row) * params.out_strides.row;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          const int col = dt * 8 + quad_col;
-          if (col < params.head_dim) {
-            const uint32_t packed = Mma::pack(acc_o[mt][dt][2 * h] * inv_sum, acc_o[mt][dt][2 * h + 1] * inv_sum);
-            *reinterpret_cast<uint32_t*>(out_row + col) = packed;
-          }
-        }
-        if (lane % 4 == 0)
-          lse_ptr[row] = has_keys ? (row_max[mt][h] + log2f(sum)) * float(M_LN2) : INFINITY;
-      }
-    }
+  store_forward_rows<Element>(acc_o, row_max, row_sum, out_ptr, params.out_strides.row, lse_ptr,
+                              warp * Shape::kRowsPerWarp, valid_q_rows, params.head_dim, lane);
 }
 
 }  // namespace flashattn

@@ -8,6 +8,7 @@
 
 #include "forward_kernel.cuh"
 #include "forward_launch.h"
+#include "forward_launch_sm90.cuh"
 
 namespace flashattn {
 
@@ -75,6 +76,15 @@ cudaError_t launch_forward_with_shape(const AttentionFwdParams& params, cudaStre
 template <typename Element, int W>
 cudaError_t launch_attention_forward(const AttentionFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream) {
+  using HopperShape = typename Sm90ForwardPlan<W>::Shape;
+  if constexpr (!std::is_void_v<HopperShape>) {
+    if (limits.hopper_kernels && HopperShape::kSmemBytes <= limits.max_smem_per_block) {
+      bool launched = false;
+      const cudaError_t status = launch_forward_sm90<Element, HopperShape>(params, stream, &launched);
+      if (status != cudaSuccess || launched) return status;
+      // else TMA cannot describe an input (a stride not a multiple of 16 bytes): the sm_80 kernel runs it.
+    }
+  }
   using Plan = ForwardTilePlan<W>;
   if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block)
     return launch_forward_with_shape<Element, typename Plan::Primary>(params, stream);

@@ -1,0 +1,260 @@
+// Forward attention kernel for Hopper (sm_90a): wgmma tensor-core products fed
+// by TMA, with a producer warpgroup and consumer warpgroups (FlashAttention-3 class).
+//
+// Same algorithm and block ownership as forward_kernel.cuh (one thread block per
+// kBlockM query rows of one (batch, head), key blocks last first, the element
+// mask only on the blocks a boundary cuts), different machinery:
+//  - warpgroup 0 is the producer: one thread issues TMA copies of Q once and of
+//    each K and V block into a ring of kStages shared-memory stages; the copies
+//    complete on "full" mbarriers (K and V separately, so S = Q K^T starts before
+//    V lands) and a stage is reused once every consumer warp has arrived on its
+//    "empty" mbarrier. It gives most of its registers to the consumers (setmaxnreg).
+//  - each consumer warpgroup owns 64 query rows: S = Q K^T is one chain of
+//    wgmma with Q and K from shared memory, the softmax runs on the accumulator
+//    registers (the wgmma m64 accumulator of each warp has the m16n8 layout of
+//    mma.sync, so forward_kernel.cuh's softmax_scores is reused as is), and
+//    O += P V takes P from registers and V from shared memory (MN-major).
+//  - within a warpgroup the two products overlap the softmax: S_{j+1} = Q K_{j+1}^T
+//    is issued before O += P_j V_j, and its softmax runs while P_j V_j does.
+//  - TMA zero-fills rows past the sequence and columns past head_dim, so the
+//    ragged edges need no predication in the copies.
+// Consumer warpgroups run unsynchronised with each other, so one's softmax
+// overlaps the other's products.
+//
+// Build: compiled only for the sm_90a target (wgmma and setmaxnreg need it);
+// instantiations in instantiations/fwd_hdim<W>.cu. Versions:
+//   v1  TMA + mbarrier pipeline, 1 producer + 2 consumer warpgroups, no
+//       intra-warpgroup overlap of the two products: bf16 N 8192 fwd 377 / 528 / 647
+//       TFLOP/s at d 64 / 128 / 256 (causal 346 / 483 / 565) on the H200.
+//   v2  S_{j+1} and its softmax overlap P_j V_j within each warpgroup.
+#pragma once
+
+#include <cuda.h>
+
+#include "forward_kernel.cuh"
+#include "hopper_primitives.cuh"
+#include "wgmma_ops.cuh"
+
+namespace flashattn {
+
+template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_ = 2>
+struct Sm90ForwardShape {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kBlockM = 64 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
+  static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
+  static constexpr int kColumnBlocks = kHeadDim / sm90::kSwizzleElements;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kTileBytes = kQBytes + kStages * 2 * kKVBytes;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // Q full; per stage K full, V full, empty
+  // + slack to align the tiles to a swizzle atom.
+  static constexpr int kSmemBytes = sm90::kSwizzleAtomBytes + kTileBytes + 8 * kBarriers;
+  // setmaxnreg budgets: 128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters)
+  // must stay within the 64K registers of the SM (one block per SM).
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+  static_assert(kHeadDim % sm90::kSwizzleElements == 0, "head-dim tile is whole 64-column blocks");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N and k16 steps");
+  static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
+                "register budget");
+};
+
+// The kernel's arguments: the plain params and one TMA map per input, each map
+// 4-d (head_dim, seqlen, nheads, batch) with the tensor's own strides.
+struct Sm90ForwardArgs {
+  AttentionFwdParams params;
+  CUtensorMap q_map, k_map, v_map;
+};
+
+template <typename Element, typename Shape>
+__global__ void __launch_bounds__(Shape::kThreads, 1)
+    attention_forward_sm90_kernel(const __grid_constant__ Sm90ForwardArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kHeadDim = Shape::kHeadDim;
+  constexpr int kStages = Shape::kStages;
+  constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+  using Mma = MmaElement<Element>;
+  const AttentionFwdParams& params = args.params;
+
+  extern __shared__ unsigned char smem[];
+  const uint32_t base = (smem_address(smem) + sm90::kSwizzleAtomBytes - 1) & ~uint32_t(sm90::kSwizzleAtomBytes - 1);
+  const uint32_t q_smem = base;
+  const auto k_smem = [&](int stage) { return q_smem + Shape::kQBytes + stage * 2 * Shape::kKVBytes; };
+  const auto v_smem = [&](int stage) { return k_smem(stage) + Shape::kKVBytes; };
+  const uint32_t barriers = base + Shape::kTileBytes;
+  const uint32_t q_full = barriers;
+  const auto k_full = [&](int stage) { return barriers + 8 * (1 + stage); };
+  const auto v_full = [&](int stage) { return barriers + 8 * (1 + kStages + stage); };
+  const auto kv_empty = [&](int stage) { return barriers + 8 * (1 + 2 * kStages + stage); };
+
+  const ForwardBlock blk(params, kBlockM, kBlockN);
+  const int num_blocks = blk.n_block_last - blk.n_block_first + 1;  // <= 0: no visible key
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    sm90::mbarrier_init(q_full, 1);
+    for (int st = 0; st < kStages; ++st) {
+      sm90::mbarrier_init(k_full(st), 1);
+      sm90::mbarrier_init(v_full(st), 1);
+      sm90::mbarrier_init(kv_empty(st), Shape::kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    sm90::warpgroup_registers_shrink<Shape::kProducerRegisters>();
+    if (threadIdx.x == 0 && num_blocks > 0) {
+      sm90::prefetch_tensor_map(&args.q_map);
+      sm90::prefetch_tensor_map(&args.k_map);
+      sm90::prefetch_tensor_map(&args.v_map);
+      const auto load_tile = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar, int rows, int row0, int head) {
+#pragma unroll
+        for (int cb = 0; cb < Shape::kColumnBlocks; ++cb)
+          sm90::tma_load_4d(dst + cb * rows * sm90::kSwizzleBytes, map, bar, cb * sm90::kSwizzleElements, row0,
+                            head, blk.batch);
+      };
+      sm90::mbarrier_arrive_expect_bytes(q_full, Shape::kQBytes);
+      load_tile(q_smem, &args.q_map, q_full, kBlockM, blk.m_begin, blk.head);
+      for (int it = 0; it < num_blocks; ++it) {
+        const int stage = it % kStages;
+        if (it >= kStages) sm90::mbarrier_wait(kv_empty(stage), ((it / kStages) + 1) & 1);
+        const int n0 = (blk.n_block_last - it) * kBlockN;
+        sm90::mbarrier_arrive_expect_bytes(k_full(stage), Shape::kKVBytes);
+        load_tile(k_smem(stage), &args.k_map, k_full(stage), kBlockN, n0, blk.kv_head);
+        sm90::mbarrier_arrive_expect_bytes(v_full(stage), Shape::kKVBytes);
+        load_tile(v_smem(stage), &args.v_map, v_full(stage), kBlockN, n0, blk.kv_head);
+      }
+    }
+  } else {
+
+    sm90::warpgroup_registers_grow<Shape::kConsumerRegisters>();
+    const int lane = threadIdx.x % 32;
+    const int consumer = warpgroup - 1;
+    const int warp_row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's 16 rows
+
+    float acc_o[1][kDTiles][4];
+    float row_max[1][2] = {{-INFINITY, -INFINITY}};
+    float row_sum[1][2] = {{0.f, 0.f}};
+  #pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+  #pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    auto& acc_o_flat = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
+
+    // Descriptors: Q rows of this warpgroup and K rows are K-major (head dim
+    // contiguous); a k16 step moves 32 bytes inside a 128-byte row, four steps
+    // make one column block. V is the MN-major B of P V: k16 steps are 16 rows.
+    const uint32_t q_wg = q_smem + consumer * 64 * sm90::kSwizzleBytes;
+    const auto k_step_offset = [](int ks, int rows) {
+      return (ks / 4) * rows * sm90::kSwizzleBytes + (ks % 4) * 32;
+    };
+
+    // S = Q K^T of key block `it` into acc_s, issued and committed (not waited for).
+    const auto issue_scores = [&](float (&acc_s)[kBlockN / 2], int it) {
+      const int stage = it % kStages;
+      sm90::mbarrier_wait(k_full(stage), (it / kStages) & 1);
+      sm90::wgmma_fence();
+  #pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        Wgmma<Element, kBlockN>::ss(
+            acc_s, sm90::swizzled_descriptor(q_wg + k_step_offset(ks, kBlockM), 16, sm90::kSwizzleAtomBytes),
+            sm90::swizzled_descriptor(k_smem(stage) + k_step_offset(ks, kBlockN), 16, sm90::kSwizzleAtomBytes),
+            ks > 0);
+      sm90::wgmma_commit();
+    };
+    // The softmax of block `it`'s scores, P left in acc_s.
+    const auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2], int it) {
+      const int n_begin = (blk.n_block_last - it) * kBlockN;
+      if (blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN))
+        softmax_scores<false>(acc_s, row_max, row_sum, corrections, params.softmax_scale_log2, blk.mask,
+                              blk.m_begin + warp_row, n_begin, lane);
+      else
+        softmax_scores<true>(acc_s, row_max, row_sum, corrections, params.softmax_scale_log2, blk.mask,
+                             blk.m_begin + warp_row, n_begin, lane);
+    };
+    // P packed into the A fragments of P V (two n8 accumulator tiles = one k16 fragment).
+    const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
+  #pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        p[kk][0] = Mma::pack(acc_s[0][2 * kk][0], acc_s[0][2 * kk][1]);
+        p[kk][1] = Mma::pack(acc_s[0][2 * kk][2], acc_s[0][2 * kk][3]);
+        p[kk][2] = Mma::pack(acc_s[0][2 * kk + 1][0], acc_s[0][2 * kk + 1][1]);
+        p[kk][3] = Mma::pack(acc_s[0][2 * kk + 1][2], acc_s[0][2 * kk + 1][3]);
+      }
+    };
+
+    // Software pipeline within the warpgroup: while O += P_it V_it runs on the
+    // tensor cores, S_{it+1} is already computed and its softmax runs on the
+    // other units; O's rescale for block it+1 waits until P_it V_it has landed.
+    uint32_t p[kBlockN / 16][4];
+    float corrections[1][2];
+    if (num_blocks > 0) {
+      sm90::mbarrier_wait(q_full, 0);
+      float acc_s[1][kNTiles][4];
+      auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+      issue_scores(acc_s_flat, 0);
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_s_flat);
+      softmax_block(acc_s, corrections, 0);
+      pack_p(acc_s, p);
+    }
+    // O = O * correction + P_it V_it, issued and committed; the stage is handed
+    // back to the producer once it has completed.
+    const auto issue_pv = [&](int it) {
+      const int stage = it % kStages;
+      rescale_output(acc_o, corrections);
+      sm90::mbarrier_wait(v_full(stage), (it / kStages) & 1);
+      sm90::fence_registers(acc_o_flat);
+      sm90::wgmma_fence();
+  #pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        Wgmma<Element, kHeadDim>::rs_b_mn_major(
+            acc_o_flat, p[kk],
+            sm90::swizzled_descriptor(v_smem(stage) + kk * 16 * sm90::kSwizzleBytes,
+                                      kBlockN * sm90::kSwizzleBytes, sm90::kSwizzleAtomBytes));
+      sm90::wgmma_commit();
+    };
+    const auto release_stage = [&](int it) {
+      __syncwarp();
+      if (lane == 0) sm90::mbarrier_arrive(kv_empty(it % kStages));
+    };
+
+    // The last block is peeled off so that every iteration of the loop has the
+    // same two products in flight (with the branch inside, ptxas could not tell
+    // which one wgmma_wait<1> retires, and serialised every wgmma).
+    for (int it = 0; it + 1 < num_blocks; ++it) {
+      float acc_s[1][kNTiles][4];
+      auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+      issue_scores(acc_s_flat, it + 1);
+      issue_pv(it);
+      sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
+      sm90::fence_registers(acc_s_flat);
+      // P_it must stay untouched until P_it V_it completes (wgmma reads its A
+      // registers asynchronously): block it+1's P waits in acc_s, packed after.
+      softmax_block(acc_s, corrections, it + 1);
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_o_flat);
+      release_stage(it);
+      pack_p(acc_s, p);
+    }
+    if (num_blocks > 0) {
+      issue_pv(num_blocks - 1);
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_o_flat);
+      release_stage(num_blocks - 1);
+    }
+
+    store_forward_rows<Element>(acc_o, row_max, row_sum, blk.out_rows<Element>(params), params.out_strides.row,
+                                blk.lse_rows(params), warp_row, blk.valid_q_rows, params.head_dim, lane);
+  }
+#else
+  __trap();  // launched only where the sm_90a image exists (forward_launch_sm90.h)
+#endif
+}
+
+}  // namespace flashattn

@@ -1,0 +1,128 @@
+// Thin wrappers over the sm_90 PTX the Hopper kernels are built from:
+// mbarriers (the completion signal of TMA copies and the hand-back of a
+// shared-memory stage), TMA tile loads (cp.async.bulk.tensor), wgmma's
+// shared-memory matrix descriptors and its fence/commit/wait, and setmaxnreg.
+//
+// Shared-memory tiles are stored the way TMA's 128-byte swizzle writes them and
+// wgmma's 128-byte-swizzle descriptors read them: column blocks of 64 16-bit
+// elements (128 bytes per row), each a stack of 1024-byte atoms of 8 rows, where
+// the 16-byte chunk c of row r sits at chunk c ^ (r % 8). Atoms must be
+// 1024-byte aligned.
+#pragma once
+
+#include <cstdint>
+
+namespace flashattn {
+namespace sm90 {
+
+constexpr int kSwizzleBytes = 128;       // one row of a column block
+constexpr int kSwizzleElements = 64;     // 16-bit elements per column-block row
+constexpr int kSwizzleAtomBytes = 1024;  // 8 rows
+
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Arrives and announces `bytes` of TMA traffic that will complete on the barrier.
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// Waits until the barrier's phase with the given parity has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// One box of a 4-d tensor map (coordinates innermost first) into shared memory,
+// completing on `bar`. Elements outside the tensor arrive as zeros.
+__device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const void* tensor_map, uint32_t bar,
+                                            int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_dst),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+// A contiguous global range (16-byte aligned, a multiple of 16 bytes) into shared memory,
+// completing on `bar` like a TMA tile.
+__device__ __forceinline__ void bulk_load(uint32_t smem_dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_dst),
+      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// Makes this thread's ordinary shared-memory writes visible to the async proxy
+// (wgmma operand reads, TMA), which does not see them otherwise.
+__device__ __forceinline__ void fence_shared_to_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads) that completes once `threads` threads (whole
+// warps) have reached it, so some warpgroups of a block can synchronise without the others.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
+}
+
+// wgmma shared-memory matrix descriptor for a 128-byte-swizzled operand.
+// lbo / sbo: the leading- and stride-dimension byte offsets (PTX ISA, "Matrix
+// Descriptor Format"); for K-major operands the stride is between 8-row atoms
+// and the leading offset is unused, for MN-major ones the leading offset steps
+// between 64-element column blocks and the stride between 8-row atoms.
+__device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t smem_addr, uint32_t lbo_bytes,
+                                                        uint32_t sbo_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int kPendingGroups>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPendingGroups) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of accumulator registers
+// across a wgmma issue or wait (it does not know the tensor cores own them).
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void warpgroup_registers_shrink() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void warpgroup_registers_grow() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+}  // namespace sm90
+}  // namespace flashattn
