@@ -60,3 +60,17 @@ def pytest_report_header(config):
         f"CUDA available: {torch.cuda.is_available()}",
     ]
 
+
+
+@pytest.fixture(params=("default", "sm80"))
+def kernel_family(request, monkeypatch):
+    """Runs a CUDA test twice: with the kernels the build picks for the GPU (the
+    wgmma/TMA kernels on an H100/H200 where the build has sm_90a code) and with
+    the mma.sync kernels forced (FLASHATTN_DISABLE_HOPPER_KERNELS), so that on a
+    Hopper GPU both families are held to the same checks."""
+    if request.param == "sm80":
+        hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+        if not (hopper and flashattn_ext.build_info().get("hopper_kernels") == "yes"):
+            pytest.skip("the default kernels are the sm80 family here")
+        monkeypatch.setenv("FLASHATTN_DISABLE_HOPPER_KERNELS", "1")
+    return request.param

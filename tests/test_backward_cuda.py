@@ -22,6 +22,7 @@ from reference import assert_error_rule, attention_reference_with_grads
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("kernel_family"),
 ]
 
 HEAD_DIMS = (32, 40, 64, 80, 96, 128, 160, 192, 224, 256)

@@ -20,26 +20,8 @@ from reference import assert_error_rule, attention_reference
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("kernel_family"),
 ]
-
-
-
-def _is_hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.fixture(autouse=True, params=("default", "sm80"))
-def kernel_family(request, monkeypatch):
-    """Every test runs twice: with the kernels the build picks for the GPU (the
-    wgmma/TMA kernel on an H100/H200 where the build has sm_90a code) and with
-    the mma.sync kernels forced (FLASHATTN_DISABLE_HOPPER_KERNELS), so both
-    families are held to the same checks on a Hopper GPU."""
-    if request.param == "sm80":
-        if not (_is_hopper() and flashattn_ext.build_info().get("hopper_kernels") == "yes"):
-            pytest.skip("the default kernels are the sm80 family here")
-        monkeypatch.setenv("FLASHATTN_DISABLE_HOPPER_KERNELS", "1")
-    return request.param
-
 
 HEAD_DIMS = (32, 40, 59, 64, 80, 96, 128, 160, 192, 224, 256)
 SEQLEN_PAIRS = ((1, 239), (239, 1), (113, 203), (1023, 1024), (2048, 2048), (3, 799))

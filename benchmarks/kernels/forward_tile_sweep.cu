@@ -28,8 +28,13 @@
 // given with -include that defines FLASHATTN_SWEEP_SHAPES overrides both.
 #if defined(FLASHATTN_SWEEP_SHAPES)
 #elif defined(FLASHATTN_SWEEP_SM90)
-#define FLASHATTN_SWEEP_SHAPES \
-  Sm90ForwardShape<64, 128, 2>, Sm90ForwardShape<128, 128, 2>, Sm90ForwardShape<256, 64, 2>
+// The shipped plan first (Sm90ForwardPlan), then what it was chosen against.
+#define FLASHATTN_SWEEP_SHAPES                                                              \
+  Sm90ForwardShape<64, 128, 2, 3>, Sm90ForwardShape<128, 128, 2, 3>,                        \
+      Sm90ForwardShape<256, 64, 2, 2, false>, Sm90ForwardShape<64, 128, 2, 2, false>,       \
+      Sm90ForwardShape<64, 128, 2, 4>, Sm90ForwardShape<64, 64, 3, 4>,                      \
+      Sm90ForwardShape<128, 128, 2, 2, false>, Sm90ForwardShape<256, 32, 2, 3>,             \
+      Sm90ForwardShape<256, 64, 2, 2>
 #else
 #define FLASHATTN_SWEEP_SHAPES                                                          \
   ForwardTileShape<64, 128, 64, 4>, ForwardTileShape<64, 128, 128, 8>,                  \
@@ -59,8 +64,8 @@ cudaError_t launch_shape(const AttentionFwdParams& p) {
 template <typename Shape>
 void describe(char* buf, size_t n) {
   if constexpr (kIsSm90Shape<Shape>)
-    std::snprintf(buf, n, "sm90 M=%3d N=%3d consumer_wgs=%d stages=%d", Shape::kBlockM, Shape::kBlockN,
-                  Shape::kConsumerWarpgroups, Shape::kStages);
+    std::snprintf(buf, n, "sm90 M=%3d N=%3d consumer_wgs=%d stages=%d overlap=%d", Shape::kBlockM, Shape::kBlockN,
+                  Shape::kConsumerWarpgroups, Shape::kStages, int(Shape::kOverlap));
   else
     std::snprintf(buf, n, "sm80 M=%3d N=%3d warps=%d ks_unroll=%d", Shape::kBlockM, Shape::kBlockN,
                   Shape::kWarps, Shape::kScoreKUnroll);

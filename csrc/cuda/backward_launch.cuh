@@ -1,11 +1,15 @@
 // Launch layer of the backward pass: the tile plan, the shared-memory opt-in and the three
-// launches. Included only by the instantiation files (instantiations/bwd_hdim*.cu).
+// launches. The main kernel is the Hopper one (backward_launch_sm90.cuh) where it runs, else
+// the mma.sync one below. Included only by the instantiation files (instantiations/bwd_hdim*.cu)
+// and the standalone check benchmarks/kernels/backward_sm90_check.cu.
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "backward_kernel.cuh"
 #include "backward_launch.h"
+#include "backward_launch_sm90.cuh"
 
 namespace flashattn {
 namespace backward {
@@ -63,8 +67,11 @@ inline unsigned int grid_stride_blocks(int64_t work_items, int items_per_block) 
   return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1 << 20)));
 }
 
-template <typename Element, typename Tile>
-cudaError_t launch_with_tile(const AttentionBwdParams& p, cudaStream_t stream) {
+// The three passes around any main kernel: zero the dQ workspace (and the semaphores), the
+// preprocess (D, lse2), launch_main(), the postprocess (dq in the output dtype).
+template <typename Element, typename LaunchMain>
+cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream,
+                                const LaunchMain& launch_main) {
   const int64_t heads = static_cast<int64_t>(p.batch) * p.nheads_q;
   cudaError_t err = cudaMemsetAsync(
       p.dq_accum, 0, sizeof(float) * heads * p.seqlen_q_rounded * p.head_dim_rounded, stream);
@@ -81,21 +88,32 @@ cudaError_t launch_with_tile(const AttentionBwdParams& p, cudaStream_t stream) {
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
-  const int64_t num_n_blocks = (p.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
-  const int64_t blocks = static_cast<int64_t>(p.batch) * p.nheads_kv * num_n_blocks;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  auto kernel = attention_backward_kernel<Element, Tile>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Tile::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned int>(blocks), Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
+  err = launch_main();
   if (err != cudaSuccess) return err;
 
   attention_backward_postprocess_kernel<Element>
       <<<grid_stride_blocks(heads * p.seqlen_q * (p.head_dim / 8), kPostThreads), kPostThreads, 0,
          stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename Element, typename Tile>
+cudaError_t launch_main_kernel(const AttentionBwdParams& p, cudaStream_t stream) {
+  const int64_t num_n_blocks = (p.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
+  const int64_t blocks = static_cast<int64_t>(p.batch) * p.nheads_kv * num_n_blocks;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  auto kernel = attention_backward_kernel<Element, Tile>;
+  const cudaError_t err = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned int>(blocks), Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename Element, typename Tile>
+cudaError_t launch_with_tile(const AttentionBwdParams& p, cudaStream_t stream) {
+  return run_backward_passes<Element>(
+      p, stream, [&] { return launch_main_kernel<Element, Tile>(p, stream); });
 }
 
 }  // namespace backward
@@ -108,6 +126,20 @@ cudaError_t launch_attention_backward(const AttentionBwdParams& params, const De
       params.seqlen_q_rounded % kBackwardQueryRowRounding != 0 ||
       params.seqlen_q_rounded < params.seqlen_q)
     return cudaErrorInvalidValue;
+  // The Hopper main kernel has no deterministic dQ order: deterministic calls stay on the
+  // sm_80 kernel's semaphores.
+  using HopperShape = typename Sm90BackwardPlan<kHeadDimTile>::Shape;
+  if constexpr (!std::is_void_v<HopperShape>) {
+    if (limits.hopper_kernels && !params.deterministic &&
+        HopperShape::kSmemBytes <= limits.max_smem_per_block) {
+      Sm90BackwardArgs args;
+      if (make_backward_sm90_args<Element, HopperShape>(params, &args))
+        return backward::run_backward_passes<Element>(params, stream, [&] {
+          return launch_backward_sm90<Element, HopperShape>(args, stream);
+        });
+      // else TMA cannot describe an input: the sm_80 kernel runs it.
+    }
+  }
   if (Plans::Large::kSmemBytes <= limits.max_smem_per_block)
     return backward::launch_with_tile<Element, typename Plans::Large>(params, stream);
   if (Plans::Small::kSmemBytes <= limits.max_smem_per_block)

@@ -26,7 +26,10 @@
 //   v1  TMA + mbarrier pipeline, 1 producer + 2 consumer warpgroups, no
 //       intra-warpgroup overlap of the two products: bf16 N 8192 fwd 377 / 528 / 647
 //       TFLOP/s at d 64 / 128 / 256 (causal 346 / 483 / 565) on the H200.
-//   v2  S_{j+1} and its softmax overlap P_j V_j within each warpgroup.
+//   v2  S_{j+1} and its softmax overlap P_j V_j within each warpgroup. With 2
+//       stages it lost (457 at d 128: the copy of block j+2 waits for block j's
+//       stage, and S_{j+2} for the copy); with 3 stages 647 / 580 causal at d 128,
+//       452 at d 64. W = 256 has room for 2 stages only and keeps v1 (618).
 #pragma once
 
 #include <cuda.h>
@@ -37,8 +40,12 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_ = 2>
+// kOverlap: S_{j+1} and its softmax run under P_j V_j (v2). It keeps two key
+// blocks in use at once, so it needs a third stage to keep the copies ahead;
+// where three stages don't fit (W = 256), the products run one after the other (v1).
+template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_ = 2, bool kOverlap_ = true>
 struct Sm90ForwardShape {
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
@@ -230,16 +237,27 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     for (int it = 0; it + 1 < num_blocks; ++it) {
       float acc_s[1][kNTiles][4];
       auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-      issue_scores(acc_s_flat, it + 1);
-      issue_pv(it);
-      sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
-      sm90::fence_registers(acc_s_flat);
-      // P_it must stay untouched until P_it V_it completes (wgmma reads its A
-      // registers asynchronously): block it+1's P waits in acc_s, packed after.
-      softmax_block(acc_s, corrections, it + 1);
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(acc_o_flat);
-      release_stage(it);
+      if constexpr (Shape::kOverlap) {
+        issue_scores(acc_s_flat, it + 1);
+        issue_pv(it);
+        sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
+        sm90::fence_registers(acc_s_flat);
+        // P_it must stay untouched until P_it V_it completes (wgmma reads its A
+        // registers asynchronously): block it+1's P waits in acc_s, packed after.
+        softmax_block(acc_s, corrections, it + 1);
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc_o_flat);
+        release_stage(it);
+      } else {
+        issue_pv(it);
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc_o_flat);
+        release_stage(it);
+        issue_scores(acc_s_flat, it + 1);
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc_s_flat);
+        softmax_block(acc_s, corrections, it + 1);
+      }
       pack_p(acc_s, p);
     }
     if (num_blocks > 0) {

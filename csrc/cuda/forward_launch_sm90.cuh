@@ -19,22 +19,26 @@ namespace flashattn {
 //  - registers: a consumer thread holds O (W / 2 floats), S (kBlockN / 2) and P
 //    (kBlockN / 4 words) within the 240 registers setmaxnreg gives it;
 //  - shared memory: Q (kBlockM x W) + kStages x (K + V) (kBlockN x W), within the
-//    227 KB of an sm_90 block: W = 256 takes kBlockN = 64 (192 KB), the others 128.
+//    227 KB of an sm_90 block. The overlapped pipeline needs 3 stages (two key
+//    blocks are in use at once): W = 64 and 128 fit them with kBlockN = 128
+//    (113 / 225 KB); W = 256 fits 2 stages of kBlockN = 64 (193 KB) and runs the
+//    products in sequence, which beat 3 stages of kBlockN = 32 there (618 against
+//    541 TFLOP/s at N 8192 on the H200; benchmarks/RESULTS.md has the sweep).
 template <int W>
 struct Sm90ForwardPlan {
   using Shape = void;
 };
 template <>
 struct Sm90ForwardPlan<64> {
-  using Shape = Sm90ForwardShape<64, 128, 2>;
+  using Shape = Sm90ForwardShape<64, 128, 2, 3>;
 };
 template <>
 struct Sm90ForwardPlan<128> {
-  using Shape = Sm90ForwardShape<128, 128, 2>;
+  using Shape = Sm90ForwardShape<128, 128, 2, 3>;
 };
 template <>
 struct Sm90ForwardPlan<256> {
-  using Shape = Sm90ForwardShape<256, 64, 2>;
+  using Shape = Sm90ForwardShape<256, 64, 2, 2, /*kOverlap=*/false>;
 };
 
 // cuTensorMapEncodeTiled from the driver, through the runtime, so that the

@@ -1,0 +1,73 @@
+// Launch layer of the Hopper backward main kernel (backward_kernel_sm90.cuh): its tile plan,
+// the TMA maps, the shared-memory opt-in, the grid. backward_launch.cuh calls it first, between
+// the shared preprocess and postprocess kernels, on sm_90 devices of builds that compiled the
+// sm_90a image, for non-deterministic calls.
+//
+// Build: header only, through backward_launch.cuh (instantiations/bwd_hdim<W>.cu) or the
+// standalone check benchmarks/kernels/backward_sm90_check.cu. Versions:
+//   v1  plans for W = 64 and 128.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backward_kernel_sm90.cuh"
+#include "forward_launch_sm90.cuh"  // encode_tile_map
+
+namespace flashattn {
+
+// The Hopper backward plan per head-dim tile width W (void: none, the mma.sync kernel runs).
+// What bounds it (backward_kernel_sm90.cuh has the details):
+//  - registers: dK + dV take W of the 240 registers a consumer thread has, Sᵀ + dPᵀ 64 more,
+//    so W = 256 does not fit (and W = 32, 96, 192 are not whole 128-byte swizzle columns);
+//  - shared memory: 162 KB at W = 128 and 98 KB at W = 64 with two Q/dO stages.
+template <int W>
+struct Sm90BackwardPlan {
+  using Shape = void;
+};
+template <>
+struct Sm90BackwardPlan<64> {
+  using Shape = Sm90BackwardShape<64>;
+};
+template <>
+struct Sm90BackwardPlan<128> {
+  using Shape = Sm90BackwardShape<128>;
+};
+
+// Fills the kernel's arguments; false where TMA cannot describe an input (a stride or a base
+// address not a multiple of 16 bytes), and the caller runs the sm_80 kernel instead.
+template <typename Element, typename Shape>
+bool make_backward_sm90_args(const AttentionBwdParams& params, Sm90BackwardArgs* args) {
+  args->params = params;
+  // The lse2 / D rows are bulk-copied 16 bytes at a time.
+  const bool aligned = reinterpret_cast<uintptr_t>(params.lse_log2) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(params.softmax_d) % 16 == 0;
+  return aligned &&
+         encode_tile_map<Element>(&args->q_map, params.q, params.q_strides, params.head_dim, params.seqlen_q,
+                                  params.nheads_q, params.batch, Shape::kBlockM) &&
+         encode_tile_map<Element>(&args->do_map, params.dout, params.dout_strides, params.head_dim,
+                                  params.seqlen_q, params.nheads_q, params.batch, Shape::kBlockM) &&
+         encode_tile_map<Element>(&args->k_map, params.k, params.k_strides, params.head_dim, params.seqlen_k,
+                                  params.nheads_kv, params.batch, Shape::kBlockN) &&
+         encode_tile_map<Element>(&args->v_map, params.v, params.v_strides, params.head_dim, params.seqlen_k,
+                                  params.nheads_kv, params.batch, Shape::kBlockN);
+}
+
+// The main kernel only; the workspaces must already hold D, lse2 and a zeroed dQ accumulator.
+template <typename Element, typename Shape>
+cudaError_t launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
+  const AttentionBwdParams& p = args.params;
+  const auto kernel = attention_backward_sm90_kernel<Element, Shape>;
+  const cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
+  if (status != cudaSuccess) return status;
+  const int64_t num_n_blocks = (p.seqlen_k + Shape::kBlockN - 1) / Shape::kBlockN;
+  const int64_t blocks = num_n_blocks * p.batch * p.nheads_kv;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(blocks), Shape::kThreads, Shape::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace flashattn
