@@ -4,7 +4,8 @@
 # Logs and result files are written under a work folder and packed into one
 # archive, $OUT/gpu_results.tgz (the device tool brings back only a few files).
 #
-#   bash tools/gpu_check.sh [build] [tests] [sanitize] [sweep] [bench] [bench-full]   (default: build tests)
+#   bash tools/gpu_check.sh [build] [tests] [sanitize] [sweep] [bwd-check] [bench] [bench-full]
+#   (default: build tests)
 #
 # Environment: OUT (default /tmp/flashattn_gpu_out), GPU_WORK (the work folder),
 # MAX_JOBS (default 16),
@@ -97,6 +98,11 @@ except RuntimeError as e:
         -DFLASHATTN_SWEEP_SM90 ${SWEEP_SHAPES_HEADER:+-include "$SWEEP_SHAPES_HEADER"} \
         benchmarks/kernels/forward_tile_sweep.cu -o /tmp/forward_tile_sweep_sm90 &&
       TAIL_LINES=80 run_stage sweep_sm90 timeout 300 /tmp/forward_tile_sweep_sm90 ;;
+    bwd-check)
+      # The Hopper backward against an fp32 reference and the sm80 kernel, then timed.
+      run_stage bwd_check_build nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc -I csrc/cuda \
+        benchmarks/kernels/backward_sm90_check.cu -o /tmp/backward_sm90_check &&
+      TAIL_LINES=12 run_stage bwd_check timeout 300 /tmp/backward_sm90_check ;;
     bench)
       TAIL_LINES=80 run_stage bench "$PY" benchmarks/bench_attention.py --quick --out "$WORK/bench" ;;
     bench-full)
