@@ -58,8 +58,7 @@ def apply_defaults(args, device):
         else:
             args.seqlens = [1024, 2048, 4096, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     if args.modes is None:
-        # --quick: the headline fwd and bwd points; fwd+bwd is close to their sum.
-        args.modes = ["fwd", "bwd"] if args.quick else list(MODES)
+        args.modes = list(MODES)
     if "ours" not in args.impls:
         args.impls = ["ours"] + list(args.impls)
     return args
