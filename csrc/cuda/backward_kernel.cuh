@@ -250,6 +250,36 @@ __device__ __forceinline__ void store_release(int* ptr, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
 }
 
+// What one thread block of the backward main kernels owns: the kBlockN keys from n0 of KV
+// head h_kv of batch b (flattened into blockIdx.x, key blocks fastest), and, for each of the
+// `group` query heads sharing that KV head, the num_m query blocks from m_first that see one
+// of those keys: num_iters = group * num_m (query head, query block) pairs.
+struct BackwardBlock {
+  int n0, h_kv, b, group;
+  int m_first, num_m, num_iters;
+  MaskGeometry mask;
+
+  // The grid that the constructor decodes: key blocks x KV heads x batch.
+  static int64_t grid_blocks(const AttentionBwdParams& p, int kBlockN) {
+    return int64_t((p.seqlen_k + kBlockN - 1) / kBlockN) * p.batch * p.nheads_kv;
+  }
+
+  __device__ __forceinline__ BackwardBlock(const AttentionBwdParams& p, int kBlockM, int kBlockN)
+      : mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right} {
+    const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    const int bh_kv = static_cast<int>(blockIdx.x / num_n_blocks);
+    n0 = static_cast<int>(blockIdx.x % num_n_blocks) * kBlockN;
+    h_kv = bh_kv % p.nheads_kv;
+    b = bh_kv / p.nheads_kv;
+    group = p.nheads_q / p.nheads_kv;
+    const int query_begin = mask.query_begin(n0);
+    const int query_end = mask.query_end(min(n0 + kBlockN, p.seqlen_k));
+    m_first = query_begin / kBlockM;
+    num_m = query_end > query_begin ? (query_end + kBlockM - 1) / kBlockM - m_first : 0;
+    num_iters = group * num_m;
+  }
+};
+
 // Element (b, row, h, 0) of a (batch, seqlen, nheads, head_dim) tensor, in 64-bit arithmetic.
 template <typename T>
 __device__ __forceinline__ T* element_at(T* base, const TensorStrides& s, int b, int row, int h) {
@@ -362,20 +392,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const int dq_row0 = (warp % Tile::kDqWarpsQ) * Tile::kDqRowsPerWarp;
   const int dq_col0 = (warp / Tile::kDqWarpsQ) * Tile::kDqColsPerWarp;
 
-  const int num_n_blocks = (p.seqlen_k + BN - 1) / BN;
-  const int n_block = static_cast<int>(blockIdx.x % num_n_blocks);
-  const int bh_kv = static_cast<int>(blockIdx.x / num_n_blocks);
-  const int h_kv = bh_kv % p.nheads_kv, b = bh_kv / p.nheads_kv;
-  const int n0 = n_block * BN;
-  const int group = p.nheads_q / p.nheads_kv;
-
-  const MaskGeometry mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-  const int query_begin = mask.query_begin(n0);
-  const int query_end = mask.query_end(min(n0 + BN, p.seqlen_k));
-  const int m_first = query_begin / BM;
-  const int num_m = query_end > query_begin ? (query_end + BM - 1) / BM - m_first : 0;
+  const BackwardBlock blk(p, BM, BN);
+  const int n0 = blk.n0, h_kv = blk.h_kv, b = blk.b, group = blk.group;
+  const int m_first = blk.m_first, num_m = blk.num_m, num_iters = blk.num_iters;
   const int m_last = m_first + num_m - 1;
-  const int num_iters = group * num_m;
+  const MaskGeometry& mask = blk.mask;
 
   // The queries [visible_begin, visible_end) that see each of this lane's two key rows
   // (rows g and g+8 of the warp's 16): the element mask of a straddling tile is then two
@@ -551,7 +572,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       semaphore = p.dq_semaphore +
                   (static_cast<int64_t>(b) * p.nheads_q + h) * (p.seqlen_q_rounded / kMinBlockM) +
                   m_block;
-      turn = n_block - mask.key_begin(m0) / BN;
+      turn = n0 / BN - mask.key_begin(m0) / BN;
       if (tid == 0) {
         while (load_acquire(semaphore) != turn) {
         }

@@ -108,22 +108,6 @@ struct Sm90BackwardArgs {
 
 namespace backward {
 
-// The column blocks of one (rows x kColumnBlocks * 64) tile by TMA, each its own swizzled stack.
-template <int kColumnBlocks>
-__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int rows,
-                                              int row0, int head, int batch) {
-#pragma unroll
-  for (int cb = 0; cb < kColumnBlocks; ++cb)
-    sm90::tma_load_4d(dst + cb * rows * sm90::kSwizzleBytes, map, bar, cb * sm90::kSwizzleElements, row0, head,
-                      batch);
-}
-
-// Byte offset of k16 step ks in a K-major swizzled tile of `rows` rows: 32 bytes inside a
-// 128-byte row, four steps per column block.
-__device__ __forceinline__ uint32_t k_major_step(int ks, int rows) {
-  return (ks / 4) * rows * sm90::kSwizzleBytes + (ks % 4) * 32;
-}
-
 // Pᵀ in place of Sᵀ (this warp's 16 keys x 64 queries, the m16n8 accumulator layout:
 // element 4j + e is key row g + 8 (e / 2), query 8j + 2t + e % 2). kMasked: the tile is cut by
 // the mask or the end of the keys; keys past seqlen_k have an empty visible range.
@@ -175,19 +159,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const auto full = [&](int stage) { return barriers + 8 * (1 + stage); };
   const auto empty = [&](int stage) { return barriers + 8 * (1 + kStages + stage); };
 
-  const int num_n_blocks = (p.seqlen_k + BN - 1) / BN;
-  const int n_block = static_cast<int>(blockIdx.x % num_n_blocks);
-  const int bh_kv = static_cast<int>(blockIdx.x / num_n_blocks);
-  const int h_kv = bh_kv % p.nheads_kv, b = bh_kv / p.nheads_kv;
-  const int n0 = n_block * BN;
-  const int group = p.nheads_q / p.nheads_kv;
-  const MaskGeometry mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-  const int query_begin = mask.query_begin(n0);
-  const int query_end = mask.query_end(min(n0 + BN, p.seqlen_k));
-  const int m_first = query_begin / BM;
-  const int num_m = query_end > query_begin ? (query_end + BM - 1) / BM - m_first : 0;
-  const int num_iters = group * num_m;  // iteration it: query head h_kv * group + it / num_m,
-                                        // query block m_first + it % num_m
+  const backward::BackwardBlock blk(p, BM, BN);
+  const int n0 = blk.n0, h_kv = blk.h_kv, b = blk.b, group = blk.group;
+  // Iteration it: query head h_kv * group + it / num_m, query block m_first + it % num_m.
+  const int m_first = blk.m_first, num_m = blk.num_m, num_iters = blk.num_iters;
+  const MaskGeometry& mask = blk.mask;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -196,7 +172,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::mbarrier_init(full(st), 1);
       sm90::mbarrier_init(empty(st), Shape::kConsumerWarps);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    sm90::mbarrier_init_fence();
   }
   __syncthreads();
 
@@ -206,16 +182,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::prefetch_tensor_map(&args.q_map);
       sm90::prefetch_tensor_map(&args.do_map);
       sm90::mbarrier_arrive_expect_bytes(kv_full, 2 * Shape::kKVBytes);
-      backward::tma_load_tile<Shape::kColumnBlocks>(k_smem, &args.k_map, kv_full, BN, n0, h_kv, b);
-      backward::tma_load_tile<Shape::kColumnBlocks>(v_smem, &args.v_map, kv_full, BN, n0, h_kv, b);
+      sm90::tma_load_tile<Shape::kColumnBlocks>(k_smem, &args.k_map, kv_full, BN, n0, h_kv, b);
+      sm90::tma_load_tile<Shape::kColumnBlocks>(v_smem, &args.v_map, kv_full, BN, n0, h_kv, b);
       for (int it = 0; it < num_iters; ++it) {
         const int stage = it % kStages;
         if (it >= kStages) sm90::mbarrier_wait(empty(stage), ((it / kStages) + 1) & 1);
         const int h = h_kv * group + it / num_m;
         const int m0 = (m_first + it % num_m) * BM;
         sm90::mbarrier_arrive_expect_bytes(full(stage), Shape::kStageBytes);
-        backward::tma_load_tile<Shape::kColumnBlocks>(q_smem(stage), &args.q_map, full(stage), BM, m0, h, b);
-        backward::tma_load_tile<Shape::kColumnBlocks>(do_smem(stage), &args.do_map, full(stage), BM, m0, h, b);
+        sm90::tma_load_tile<Shape::kColumnBlocks>(q_smem(stage), &args.q_map, full(stage), BM, m0, h, b);
+        sm90::tma_load_tile<Shape::kColumnBlocks>(do_smem(stage), &args.do_map, full(stage), BM, m0, h, b);
         const int64_t row = (static_cast<int64_t>(b) * p.nheads_q + h) * p.seqlen_q_rounded + m0;
         sm90::bulk_load(lse_smem(stage), p.lse_log2 + row, Shape::kRowStatBytes, full(stage));
         sm90::bulk_load(d_smem(stage), p.softmax_d + row, Shape::kRowStatBytes, full(stage));
@@ -253,10 +229,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int dq_col0 = consumer * Shape::kDqColumns;
   const uint32_t k_dq_cols = k_smem + (dq_col0 / sm90::kSwizzleElements) * BN * sm90::kSwizzleBytes +
                              (dq_col0 % sm90::kSwizzleElements) * 2;
-  const auto k_major = [](uint32_t addr) { return sm90::swizzled_descriptor(addr, 16, sm90::kSwizzleAtomBytes); };
-  const auto mn_major = [](uint32_t addr, int rows) {
-    return sm90::swizzled_descriptor(addr, rows * sm90::kSwizzleBytes, sm90::kSwizzleAtomBytes);
-  };
+  using sm90::k_major_descriptor;
+  using sm90::mn_major_descriptor;
 
   if (num_iters > 0) sm90::mbarrier_wait(kv_full, 0);
   for (int it = 0; it < num_iters; ++it) {
@@ -270,13 +244,13 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)
-      Wgmma<Element, BM>::ss(s, k_major(k_rows + backward::k_major_step(ks, BN)),
-                             k_major(q_smem(stage) + backward::k_major_step(ks, BM)), ks > 0);
+      Wgmma<Element, BM>::ss(s, k_major_descriptor(k_rows + sm90::k_major_step(ks, BN)),
+                             k_major_descriptor(q_smem(stage) + sm90::k_major_step(ks, BM)), ks > 0);
     sm90::wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)
-      Wgmma<Element, BM>::ss(dp, k_major(v_rows + backward::k_major_step(ks, BN)),
-                             k_major(do_smem(stage) + backward::k_major_step(ks, BM)), ks > 0);
+      Wgmma<Element, BM>::ss(dp, k_major_descriptor(v_rows + sm90::k_major_step(ks, BN)),
+                             k_major_descriptor(do_smem(stage) + sm90::k_major_step(ks, BM)), ks > 0);
     sm90::wgmma_commit();
 
     sm90::wgmma_wait<1>();
@@ -312,10 +286,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
-      Wgmma<Element, W>::rs_b_mn_major(acc_dv, pa[kk], mn_major(do_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
+      Wgmma<Element, W>::rs_b_mn_major(acc_dv, pa[kk],
+                                       mn_major_descriptor(do_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
-      Wgmma<Element, W>::rs_b_mn_major(acc_dk, dsa[kk], mn_major(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
+      Wgmma<Element, W>::rs_b_mn_major(acc_dk, dsa[kk],
+                                       mn_major_descriptor(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
     sm90::wgmma_commit();
 
     // dSᵀ into its swizzled tile (key rows of 64 queries = one 128-byte row each): the 16-byte
@@ -338,8 +314,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<Element, Shape::kDqColumns>::ss_ab_mn_major(
-          dq, mn_major(ds_smem(ds_buf) + kk * 16 * sm90::kSwizzleBytes, BN),
-          mn_major(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN), kk > 0);
+          dq, mn_major_descriptor(ds_smem(ds_buf) + kk * 16 * sm90::kSwizzleBytes, BN),
+          mn_major_descriptor(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN), kk > 0);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     sm90::fence_registers(dq);

@@ -10,6 +10,7 @@
 #include "backward_kernel.cuh"
 #include "backward_launch.h"
 #include "backward_launch_sm90.cuh"
+#include "kernel_launch.cuh"
 
 namespace flashattn {
 namespace backward {
@@ -99,15 +100,8 @@ cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream
 
 template <typename Element, typename Tile>
 cudaError_t launch_main_kernel(const AttentionBwdParams& p, cudaStream_t stream) {
-  const int64_t num_n_blocks = (p.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
-  const int64_t blocks = static_cast<int64_t>(p.batch) * p.nheads_kv * num_n_blocks;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  auto kernel = attention_backward_kernel<Element, Tile>;
-  const cudaError_t err = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned int>(blocks), Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_on_flat_grid(attention_backward_kernel<Element, Tile>, BackwardBlock::grid_blocks(p, Tile::kBlockN),
+                             Tile::kThreads, Tile::kSmemBytes, stream, p);
 }
 
 template <typename Element, typename Tile>

@@ -14,7 +14,8 @@
 #include <cstdint>
 
 #include "backward_kernel_sm90.cuh"
-#include "forward_launch_sm90.cuh"  // encode_tile_map
+#include "kernel_launch.cuh"
+#include "tma_tile_map.cuh"
 
 namespace flashattn {
 
@@ -58,16 +59,9 @@ bool make_backward_sm90_args(const AttentionBwdParams& params, Sm90BackwardArgs*
 // The main kernel only; the workspaces must already hold D, lse2 and a zeroed dQ accumulator.
 template <typename Element, typename Shape>
 cudaError_t launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
-  const AttentionBwdParams& p = args.params;
-  const auto kernel = attention_backward_sm90_kernel<Element, Shape>;
-  const cudaError_t status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
-  if (status != cudaSuccess) return status;
-  const int64_t num_n_blocks = (p.seqlen_k + Shape::kBlockN - 1) / Shape::kBlockN;
-  const int64_t blocks = num_n_blocks * p.batch * p.nheads_kv;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(blocks), Shape::kThreads, Shape::kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  return launch_on_flat_grid(attention_backward_sm90_kernel<Element, Shape>,
+                             backward::BackwardBlock::grid_blocks(args.params, Shape::kBlockN), Shape::kThreads,
+                             Shape::kSmemBytes, stream, args);
 }
 
 }  // namespace flashattn

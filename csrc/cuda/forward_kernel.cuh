@@ -162,6 +162,11 @@ struct ForwardBlock {
   int valid_q_rows;
   MaskGeometry mask;
 
+  // The grid that the constructor decodes: query blocks x heads x batch.
+  static int64_t grid_blocks(const AttentionFwdParams& params, int kBlockM) {
+    return int64_t((params.seqlen_q + kBlockM - 1) / kBlockM) * params.batch * params.nheads_q;
+  }
+
   __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN)
       : mask{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right} {
     // Flattened grid (one dimension never overflows for batch * heads > 65535):

@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::mbarrier_init(v_full(st), 1);
       sm90::mbarrier_init(kv_empty(st), Shape::kConsumerWarps);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    sm90::mbarrier_init_fence();
   }
   __syncthreads();
 
@@ -119,22 +119,19 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::prefetch_tensor_map(&args.q_map);
       sm90::prefetch_tensor_map(&args.k_map);
       sm90::prefetch_tensor_map(&args.v_map);
-      const auto load_tile = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar, int rows, int row0, int head) {
-#pragma unroll
-        for (int cb = 0; cb < Shape::kColumnBlocks; ++cb)
-          sm90::tma_load_4d(dst + cb * rows * sm90::kSwizzleBytes, map, bar, cb * sm90::kSwizzleElements, row0,
-                            head, blk.batch);
-      };
+      constexpr int kColumnBlocks = Shape::kColumnBlocks;
       sm90::mbarrier_arrive_expect_bytes(q_full, Shape::kQBytes);
-      load_tile(q_smem, &args.q_map, q_full, kBlockM, blk.m_begin, blk.head);
+      sm90::tma_load_tile<kColumnBlocks>(q_smem, &args.q_map, q_full, kBlockM, blk.m_begin, blk.head, blk.batch);
       for (int it = 0; it < num_blocks; ++it) {
         const int stage = it % kStages;
         if (it >= kStages) sm90::mbarrier_wait(kv_empty(stage), ((it / kStages) + 1) & 1);
         const int n0 = (blk.n_block_last - it) * kBlockN;
         sm90::mbarrier_arrive_expect_bytes(k_full(stage), Shape::kKVBytes);
-        load_tile(k_smem(stage), &args.k_map, k_full(stage), kBlockN, n0, blk.kv_head);
+        sm90::tma_load_tile<kColumnBlocks>(k_smem(stage), &args.k_map, k_full(stage), kBlockN, n0,
+                                           blk.kv_head, blk.batch);
         sm90::mbarrier_arrive_expect_bytes(v_full(stage), Shape::kKVBytes);
-        load_tile(v_smem(stage), &args.v_map, v_full(stage), kBlockN, n0, blk.kv_head);
+        sm90::tma_load_tile<kColumnBlocks>(v_smem(stage), &args.v_map, v_full(stage), kBlockN, n0,
+                                           blk.kv_head, blk.batch);
       }
     }
   } else {
@@ -153,13 +150,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
     auto& acc_o_flat = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
 
-    // Descriptors: Q rows of this warpgroup and K rows are K-major (head dim
-    // contiguous); a k16 step moves 32 bytes inside a 128-byte row, four steps
-    // make one column block. V is the MN-major B of P V: k16 steps are 16 rows.
+    // Q rows of this warpgroup and K rows are K-major operands, V the MN-major B of P V.
     const uint32_t q_wg = q_smem + consumer * 64 * sm90::kSwizzleBytes;
-    const auto k_step_offset = [](int ks, int rows) {
-      return (ks / 4) * rows * sm90::kSwizzleBytes + (ks % 4) * 32;
-    };
 
     // S = Q K^T of key block `it` into acc_s, issued and committed (not waited for).
     const auto issue_scores = [&](float (&acc_s)[kBlockN / 2], int it) {
@@ -169,8 +161,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
         Wgmma<Element, kBlockN>::ss(
-            acc_s, sm90::swizzled_descriptor(q_wg + k_step_offset(ks, kBlockM), 16, sm90::kSwizzleAtomBytes),
-            sm90::swizzled_descriptor(k_smem(stage) + k_step_offset(ks, kBlockN), 16, sm90::kSwizzleAtomBytes),
+            acc_s, sm90::k_major_descriptor(q_wg + sm90::k_major_step(ks, kBlockM)),
+            sm90::k_major_descriptor(k_smem(stage) + sm90::k_major_step(ks, kBlockN)),
             ks > 0);
       sm90::wgmma_commit();
     };
@@ -222,8 +214,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       for (int kk = 0; kk < kBlockN / 16; ++kk)
         Wgmma<Element, kHeadDim>::rs_b_mn_major(
             acc_o_flat, p[kk],
-            sm90::swizzled_descriptor(v_smem(stage) + kk * 16 * sm90::kSwizzleBytes,
-                                      kBlockN * sm90::kSwizzleBytes, sm90::kSwizzleAtomBytes));
+            sm90::mn_major_descriptor(v_smem(stage) + kk * 16 * sm90::kSwizzleBytes, kBlockN));
       sm90::wgmma_commit();
     };
     const auto release_stage = [&](int it) {

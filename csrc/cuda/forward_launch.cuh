@@ -4,11 +4,10 @@
 
 #include <cuda_runtime.h>
 
-#include <climits>
-
 #include "forward_kernel.cuh"
 #include "forward_launch.h"
 #include "forward_launch_sm90.cuh"
+#include "kernel_launch.cuh"
 
 namespace flashattn {
 
@@ -59,18 +58,9 @@ struct ForwardTilePlan<256> {
 
 template <typename Element, typename Shape>
 cudaError_t launch_forward_with_shape(const AttentionFwdParams& params, cudaStream_t stream) {
-  const auto kernel = attention_forward_kernel<Element, Shape>;
-  constexpr int kSmem = Shape::kSmemBytes;
-  if (kSmem > 48 * 1024) {
-    const cudaError_t status =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (status != cudaSuccess) return status;
-  }
-  const int64_t num_m_blocks = (params.seqlen_q + Shape::kBlockM - 1) / Shape::kBlockM;
-  const int64_t blocks = num_m_blocks * params.batch * params.nheads_q;
-  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(blocks), Shape::kThreads, kSmem, stream>>>(params);
-  return cudaGetLastError();
+  return launch_on_flat_grid(attention_forward_kernel<Element, Shape>,
+                             ForwardBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads,
+                             Shape::kSmemBytes, stream, params);
 }
 
 template <typename Element, int W>

@@ -27,6 +27,11 @@ __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
+// Makes the barriers thread 0 initialised visible before the block's barrier publishes them.
+__device__ __forceinline__ void mbarrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
 // Arrives and announces `bytes` of TMA traffic that will complete on the barrier.
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
@@ -79,6 +84,16 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// A (rows x kColumnBlocks * 64) tile of a 4-d map, row0 .. row0 + rows - 1 of (head, batch),
+// one TMA box per column block, each its own swizzled stack.
+template <int kColumnBlocks>
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const void* tensor_map, uint32_t bar, int rows,
+                                              int row0, int head, int batch) {
+#pragma unroll
+  for (int cb = 0; cb < kColumnBlocks; ++cb)
+    tma_load_4d(dst + cb * rows * kSwizzleBytes, tensor_map, bar, cb * kSwizzleElements, row0, head, batch);
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
 }
@@ -93,6 +108,23 @@ __device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t smem_addr, uint
   return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
          (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// The two layouts the kernels' operands take. K-major (the contraction dimension
+// contiguous, e.g. Q and K in S = Q K^T): a k16 step moves 32 bytes inside a 128-byte
+// row, four steps make one column block (k_major_step gives the byte offset).
+// MN-major (e.g. V as the B of P V): a k16 step is 16 rows, the column blocks of a
+// tile of `rows` rows lie rows * 128 bytes apart.
+__device__ __forceinline__ uint32_t k_major_step(int ks, int rows) {
+  return (ks / 4) * rows * kSwizzleBytes + (ks % 4) * 32;
+}
+
+__device__ __forceinline__ uint64_t k_major_descriptor(uint32_t smem_addr) {
+  return swizzled_descriptor(smem_addr, 16, kSwizzleAtomBytes);
+}
+
+__device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t smem_addr, int rows) {
+  return swizzled_descriptor(smem_addr, rows * kSwizzleBytes, kSwizzleAtomBytes);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
