@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
     p.add_argument("--modes", nargs="+", choices=MODES, default=None)
     p.add_argument("--impls", nargs="+", default=bc.ALL_KERNEL_IMPLS,
-                   help=f"subset of {bc.ALL_KERNEL_IMPLS}; ours is always included")
+                   help=f"subset of {bc.ALL_KERNEL_IMPLS}, or ours_deterministic (opt-in); ours is always included")
     p.add_argument("--tokens", type=int, default=None, help="batch * seqlen (16384)")
     p.add_argument("--hidden", type=int, default=None, help="nheads * headdim (2048)")
     p.add_argument("--check-heads", type=int, default=2,
@@ -77,16 +77,16 @@ def make_sets(impl, shape, device, dtype, gen, *, requires_grad):
 def time_mode(impl, mode, shape, device, dtype, gen, tcfg):
     """Median ms of one implementation in one mode; raises on failure (caller classifies)."""
     causal, scale = shape.causal, shape.scale
-    if impl.is_ours and mode == "fwd":
+    if impl.is_flashattn_ext and mode == "fwd":
         sets = make_sets(impl, shape, device, dtype, gen, requires_grad=False)
         return bc.measure(lambda s: bc.ours_forward_op(s.q, s.k, s.v, scale, causal), sets,
                           device, tcfg)
-    if impl.is_ours and mode == "bwd":
+    if impl.is_flashattn_ext and mode == "bwd":
         sets = make_sets(impl, shape, device, dtype, gen, requires_grad=False)
         for s in sets:
             s.out, s.lse = bc.ours_forward_op(s.q, s.k, s.v, scale, causal)
         return bc.measure(lambda s: bc.ours_backward_op(s.dout, s.q, s.k, s.v, s.out, s.lse,
-                                                        scale, causal), sets, device, tcfg)
+                                                        scale, causal, impl.deterministic), sets, device, tcfg)
     sets = make_sets(impl, shape, device, dtype, gen, requires_grad=True)
     with impl.context():
         if mode == "fwd":

@@ -11,6 +11,7 @@ import contextlib
 import csv
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import math
@@ -135,10 +136,10 @@ def ours_forward_op(q, k, v, scale: float, causal: bool):
                                                      0.0, None)
 
 
-def ours_backward_op(dout, q, k, v, out, lse, scale: float, causal: bool):
+def ours_backward_op(dout, q, k, v, out, lse, scale: float, causal: bool, deterministic: bool = False):
     """The backward op alone, from a saved out/lse, as flash-attn's benchmarks time it."""
     return torch.ops.flashattn_ext.attention_backward(dout, q, k, v, out, lse, scale, causal, -1,
-                                                      -1, 0.0, None, 0.0, None, False)
+                                                      -1, 0.0, None, 0.0, None, deterministic)
 
 
 # --------------------------------------------------------------------------- environment
@@ -392,10 +393,16 @@ class AttentionImpl:
     description: str
     forward: Callable[..., Any]          # (q, k, v, causal, scale) -> out, autograd-aware
     context: Callable[[], Any] = contextlib.nullcontext
+    deterministic: bool = False          # ours only: the fixed-order dq reduction
 
     @property
     def is_ours(self) -> bool:
         return self.name == "ours"
+
+    @property
+    def is_flashattn_ext(self) -> bool:
+        """Ours in either dq mode: timed through the ops directly."""
+        return self.name in ("ours", "ours_deterministic")
 
 
 def _sdpa_context(backend_name: str):
@@ -419,15 +426,19 @@ def _sdpa_forward(q, k, v, causal: bool, scale: float):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
 
 
-def _ours_autograd_forward(q, k, v, causal: bool, scale: float):
+def _ours_autograd_forward(q, k, v, causal: bool, scale: float, deterministic: bool = False):
     import flashattn_ext
-    return flashattn_ext.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+    return flashattn_ext.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, deterministic=deterministic)
 
 
 def build_impls(names: Iterable[str]) -> list[AttentionImpl]:
     registry = {
         "ours": lambda: AttentionImpl("ours", "bshd", "flashattn_ext (this repo)",
                                       _ours_autograd_forward),
+        # Opt-in (not in ALL_KERNEL_IMPLS): the price of a fixed dq reduction order.
+        "ours_deterministic": lambda: AttentionImpl(
+            "ours_deterministic", "bshd", "flashattn_ext, deterministic=True",
+            functools.partial(_ours_autograd_forward, deterministic=True), deterministic=True),
         "materialized": lambda: AttentionImpl(
             "materialized", "bhsd", "plain PyTorch: S=QK^T, softmax, PV in HBM",
             materialized_attention),

@@ -11,7 +11,20 @@ reference, with FACTOR = 2 for out and lse and 3 for dq, dk, dv:
 
 * bf16/fp16: kernel error <= FACTOR x the error of this same reference run
   entirely in the low precision, + ABS_FLOOR = 1e-5 (for tensors whose
-  low-precision error is 0, e.g. one key: out = v exactly).
+  low-precision error is 0, e.g. one key: out = v exactly). Gradients add
+  flash-attn's rounding term instead where it is larger (as its
+  hopper/test_flash_attn.py does): 2 x max |(r + 0.3) - 0.3 - r| with r the
+  reference in the low precision, about one rounding step of the output dtype
+  at the gradients' size. A FlashAttention backward starts from the rounded
+  output (D = rowsum(dout * out)), which the PyTorch baseline never forms:
+  - one key: dk = 0 exactly, which the baseline's p * (dp - sum(dp * p)) with
+    p = 1 cancels exactly, while D against dP = dout v^T summed in another
+    order in fp32 leaves rounding noise of a few fp32 ulps of the other
+    gradients (2e-5 at sq 239, one key, d 256): gradients get at least
+    2^-20 x scale (8 fp32 ulps) too;
+  - tiny problems (sq 17, sk 2): the baseline can be luckier by an ulp;
+    measured over 40 seeds, our two kernels and the baseline have mean dq
+    errors within 6 % of one another (benchmarks/RESULTS.md).
 * fp32: kernel error <= max(1e-4 x scale, FACTOR x the fp32 PyTorch error) + 1e-6.
 * fp64: kernel error <= 1e-10 x scale + 1e-12; lse, which the schema stores in
   fp32 whatever the inputs, gets one fp32 ulp (2^-23 x scale).
@@ -32,6 +45,7 @@ import torch
 FORWARD_FACTOR = 2.0
 BACKWARD_FACTOR = 3.0
 ABS_FLOOR = 1e-5
+FP32_NOISE_RTOL = 2.0 ** -20  # 8 fp32 ulps, relative to the gradients' scale
 FP32_RTOL, FP32_ATOL = 1e-4, 1e-6
 FP64_RTOL, FP64_ATOL = 1e-10, 1e-12
 LSE_FP32_RTOL = 2.0 ** -23  # one fp32 ulp, relative
@@ -131,6 +145,15 @@ def magnitude(t: torch.Tensor) -> float:
     return finite.abs().max().item() if finite.numel() else 0.0
 
 
+def output_rounding(reference: torch.Tensor, dtype: torch.dtype) -> float:
+    """flash-attn's atol: 2 x max |(r + 0.3) - 0.3 - r| with r = reference in dtype."""
+    finite = reference[torch.isfinite(reference)]
+    if finite.numel() == 0:
+        return 0.0
+    r = finite.to(dtype)
+    return 2.0 * ((r + 0.3) - 0.3 - r).abs().max().item()
+
+
 def tolerance(name: str, dtype: torch.dtype, reference: torch.Tensor,
               low_precision: Optional[torch.Tensor], scale: Optional[float] = None) -> float:
     """The largest max-abs error the error rule allows for one output tensor;
@@ -141,7 +164,10 @@ def tolerance(name: str, dtype: torch.dtype, reference: torch.Tensor,
     if dtype in LOW_PRECISION:
         assert low_precision is not None, "the low-precision baseline is needed for bf16/fp16"
         factor = FORWARD_FACTOR if name in ("out", "lse") else BACKWARD_FACTOR
-        return factor * max_abs_error(low_precision, reference) + ABS_FLOOR
+        floor = ABS_FLOOR
+        if name in GRADIENTS:
+            floor = max(floor, FP32_NOISE_RTOL * scale, output_rounding(reference, dtype))
+        return factor * max_abs_error(low_precision, reference) + floor
     if dtype == torch.float32:
         # Where the exact result is ~0 (one visible key: dk = 0) the fp32
         # rounding of the cancelling terms sets the error, not the result's

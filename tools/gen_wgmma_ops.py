@@ -8,8 +8,9 @@ preprocessor can spell out, so this script does.
 import os
 
 # N of the products the kernels issue: forward S = Q K^T (N = kBlockN) and O += P V
-# (N = head-dim tile); backward S^T, dP^T (N = kBlockM), dV, dK (head-dim tile) and dQ
-# (half the head-dim tile per warpgroup, hence 32).
+# (N = head-dim tile); backward S^T, dP^T (N = kBlockM, or half of it per warpgroup at
+# d 256, hence 32), dV, dK (the head-dim tile, or half of it) and dQ (half the head-dim
+# tile per warpgroup).
 WIDTHS = (32, 64, 128, 256)
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
@@ -42,6 +43,14 @@ struct Wgmma<{ctype}, {n}> {{
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs(0, acc)}}}, {{{regs(acc, 4)}}}, %{acc + 4}, p, 1, 1, 1;\\n}}\\n"
         : {accumulators(n)}
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }}
+  // D += A B, A from shared memory K-major, B from shared memory MN-major (transposed).
+  __device__ __forceinline__ static void ss_b_mn_major(float (&d)[{acc}], uint64_t desc_a, uint64_t desc_b) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 0, 1;\\n}}\\n"
+        : {accumulators(n)}
+        : "l"(desc_a), "l"(desc_b), "r"(1));
   }}
   // D (+)= A B, A and B from shared memory, both MN-major (transposed): the operand
   // that a kernel holds with M (for A) or N (for B) contiguous; scale_d = 0 ignores D.

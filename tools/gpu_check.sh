@@ -82,9 +82,10 @@ except RuntimeError as e:
       cat "$WORK"/stage_test_*.txt
       grep -q "exit [1-9]" "$WORK"/stage_test_*.txt && status=1 ;;
     sanitize)
-      # memcheck and racecheck over odd shapes, both kernel families (tools/sanitizer_shapes.py).
+      # memcheck and racecheck over odd shapes, both kernel families (tools/sanitizer_shapes.py;
+      # SANITIZE_FAMILIES="default" for the Hopper kernels alone).
       for tool in memcheck racecheck; do
-        for family in default sm80; do
+        for family in ${SANITIZE_FAMILIES:-default sm80}; do
           disable=""; [ "$family" = sm80 ] && disable=1
           TAIL_LINES=8 run_stage "sanitize_${tool}_${family}" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
             FLASHATTN_DISABLE_HOPPER_KERNELS="$disable" timeout "${SANITIZE_TIMEOUT_S:-200}" \

@@ -21,6 +21,7 @@
 //     benchmarks/kernels/backward_sm90_check.cu -o .devrun/backward_sm90_check
 // Versions:
 //   v1  d 64 / 128 correctness over ragged, causal, window and GQA cases; timing table.
+//   v2  d 256 (the split by head dims) too.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -408,10 +409,12 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1234);
   check_width<64>(hopper, sm80, rng);
   check_width<128>(hopper, sm80, rng);
+  check_width<256>(hopper, sm80, rng);
   std::printf("SUMMARY: %d cases, %d failed\n", g_cases, g_failures);
   if (!check_only) {
     time_width<64>(hopper, sm80, rng);
     time_width<128>(hopper, sm80, rng);
+    time_width<256>(hopper, sm80, rng);
   }
   return g_failures == 0 ? 0 : 1;
 }

@@ -30,8 +30,9 @@
 #elif defined(FLASHATTN_SWEEP_SM90)
 // The shipped plan first (Sm90ForwardPlan), then what it was chosen against.
 #define FLASHATTN_SWEEP_SHAPES                                                              \
-  Sm90ForwardShape<64, 128, 2, 3>, Sm90ForwardShape<128, 128, 2, 3>,                        \
-      Sm90ForwardShape<256, 64, 2, 2, false>, Sm90ForwardShape<64, 128, 2, 2, false>,       \
+  Sm90ForwardShape<64, 128, 1, 3>, Sm90ForwardShape<128, 128, 2, 3>,                        \
+      Sm90ForwardShape<256, 64, 2, 2, false>, Sm90ForwardShape<64, 128, 2, 3>,              \
+      Sm90ForwardShape<64, 128, 1, 2>, Sm90ForwardShape<64, 128, 2, 2, false>,              \
       Sm90ForwardShape<64, 128, 2, 4>, Sm90ForwardShape<64, 64, 3, 4>,                      \
       Sm90ForwardShape<128, 128, 2, 2, false>, Sm90ForwardShape<256, 32, 2, 3>,             \
       Sm90ForwardShape<256, 64, 2, 2>

@@ -7,9 +7,12 @@
 // and, per head, the query blocks that see one of its keys (MaskGeometry ranges); the element
 // mask runs only on the tiles a boundary cuts.
 //
-// Per query block of kBlockM = 64 queries, each consumer warpgroup, owning 64 of the keys:
-//   Sᵀ  = K Qᵀ,  dPᵀ = V dOᵀ                  (wgmma SS, M = keys, N = queries, K = head dim;
-//                                              both from shared memory K-major, issued together)
+// Two ways to split the work between the consumer warpgroups (Sm90BackwardShape::kSplitHeadDim):
+//
+// By keys (W <= 128): kBlockN = 128, each warpgroup owns 64 keys and all W head-dim columns of
+// their dK, dV. Per query block of kBlockM = 64 queries, each warpgroup:
+//   Sᵀ  = K Qᵀ,  dPᵀ = V dOᵀ                  (wgmma SS, M = its 64 keys, N = 64 queries, K = head
+//                                              dim; both from shared memory K-major, issued together)
 //   Pᵀ  = exp2(Sᵀ·scale·log2e − lse2),  dSᵀ = Pᵀ ∘ (dPᵀ − D)      (on the accumulators)
 //   dV += Pᵀ dO,  dK += dSᵀ Q                 (wgmma RS: Pᵀ, dSᵀ from registers, the
 //                                              accumulator layout being the A fragment; dO, Q
@@ -18,29 +21,48 @@
 //   dQ[:, half] = dS K[:, half]               (wgmma SS, M = queries, N = W / 2, K = all
 //                                              kBlockN keys, A = dSᵀ and B = K both MN-major)
 //   dQ_accum += dQ                            (fp32 red.global.add.v2)
+//
+// By head dims (W = 256): dK + dV of 64 keys x 256 columns would take all 256 registers of a
+// warpgroup's thread, so kBlockN = 64 keys are shared by both warpgroups and each owns half of
+// the head-dim columns of dK, dV (128 registers). Per query block, warpgroup c:
+//   Sᵀ, dPᵀ for the 64 keys x its 32 queries  (wgmma SS, N = 32)
+//   Pᵀ, dSᵀ of its 32 queries → shared memory; named barrier; then over all 64 queries:
+//   dV[:, half c] += Pᵀ dO[:, half c],  dK[:, half c] += dSᵀ Q[:, half c]
+//                                             (wgmma SS: A = Pᵀ / dSᵀ K-major, B MN-major)
+//   dQ[:, half c] = dS K[:, half c]           (as above, K = the 64 keys)
+//
 // Splitting dQ by head-dim halves between the warpgroups, rather than by keys, adds each
 // element to the workspace once per key block instead of twice, and keeps the dQ accumulator at
-// W / 4 registers. dSᵀ is double-buffered: a warpgroup waits for its own dQ product before the
-// next block's barrier, so once it passes that barrier the other buffer is free of both.
+// W / 4 registers. The score tiles are double-buffered: a warpgroup waits for its own products
+// of them before the next block's barrier, so once it passes that barrier the other buffer is
+// free of both warpgroups.
 //
-// Producer: one thread issues the TMA copies, K and V once, then per query block Q, dO (4-d
-// maps, 128-byte swizzle, zero fill past the sequence and past head_dim) and the 64 lse2 and D
-// values (1-d bulk copies from the workspaces, padded to whole blocks) into a ring of kStages
+// Producer: one thread issues the TMA copies, K and V once, then per query block Q and dO (4-d
+// maps, 128-byte swizzle, zero fill past the sequence and past head_dim) into a ring of kStages
 // stages, completing on "full" mbarriers; a stage is reused once all 8 consumer warps have
 // arrived on its "empty" mbarrier.
 //
+// lse2 and D of a query block: 128 consumer threads load one value each from the workspaces an
+// iteration ahead, at its start, and store it into the other of two buffers just before that
+// iteration's named barrier, which orders the stores before the next iteration's reads (and
+// every read of the buffer, two iterations back, before the stores). Tried and dropped: reading
+// them from global memory where they are used (the latency shows after Sᵀ: 12-15 % slower at
+// W = 64 / 128) and copying them into the TMA stages (bulk copies, or the producer warp's
+// stores): as fast, but ordered only by the mbarriers, which compute-sanitizer's racecheck does
+// not model (it reported those accesses as races).
+//
 // Tiles (Sm90BackwardShape, chosen in backward_launch_sm90.cuh). What bounds them:
-//  - registers: a consumer thread holds dK + dV (W floats: 128 at W = 128), Sᵀ and dPᵀ (32 + 32),
-//    then Pᵀ, dSᵀ as A fragments (16 + 16) and dQ (W / 4) within the 240 that setmaxnreg gives
-//    it; at W = 256, dK + dV alone would take 256, so W = 256 stays on the sm_80 kernel.
-//  - wgmma: M = 64 rows per warpgroup fixes 64 keys per warpgroup, so kBlockN = 128 for two
-//    consumer warpgroups; kBlockM = 64 is one 128-byte swizzle column block of dSᵀ, and N = 64
-//    for Sᵀ / dPᵀ.
-//  - shared memory: K, V (kBlockN x W) + kStages x (Q, dO) (kBlockM x W) + 2 dSᵀ tiles
-//    (kBlockN x kBlockM): 162 KB at W = 128, 98 KB at W = 64, within the 227 KB of sm_90.
+//  - registers (240 per consumer thread after setmaxnreg): by keys, dK + dV take W (128 at
+//    W = 128), Sᵀ and dPᵀ 64, then Pᵀ, dSᵀ as A fragments 32 and dQ W / 4; by head dims,
+//    dK + dV take 128, Sᵀ and dPᵀ 32, dQ 64.
+//  - wgmma: M = 64 rows per warpgroup fixes 64 keys per warpgroup product; kBlockM = 64 is one
+//    128-byte swizzle row of a score tile (the MN-major A of dQ).
+//  - shared memory: K, V (kBlockN x W) + kStages x (Q, dO) (kBlockM x W) + 2 buffers of the score
+//    tiles (dSᵀ; and Pᵀ when split by head dims; kBlockN x kBlockM each): 98 KB at W = 64, 160 KB
+//    at W = 128, 224 KB at W = 256 (two stages), within the 227 KB of sm_90.
 //
 // Not here: deterministic dQ (the launch layer keeps it on the sm_80 kernel, whose semaphore
-// order this kernel does not implement), W not a multiple of 64 and W = 256.
+// order this kernel does not implement), W not a multiple of 64.
 //
 // Build: compiled only for the sm_90a target (wgmma, setmaxnreg); instantiated through
 // backward_launch.cuh in instantiations/bwd_hdim<W>.cu; tested standalone by
@@ -48,6 +70,8 @@
 //   v1  TMA + mbarrier ring, 1 producer + 2 consumer warpgroups, dQ split by head-dim halves
 //       with per-thread fp32 vector atomics; no overlap of a warpgroup's own products across
 //       query blocks.
+//   v2  lse2 / D prefetched by the consumers into shared memory under their named barrier (no
+//       bulk copies: racecheck clean); W = 256 through the split by head dims.
 #pragma once
 
 #include <cuda.h>
@@ -58,15 +82,18 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, int kStages_ = 2>
+template <int kHeadDim_, bool kSplitHeadDim_, int kStages_ = 2>
 struct Sm90BackwardShape {
   static constexpr int kHeadDim = kHeadDim_;  // the head-dim tile W
+  static constexpr bool kSplitHeadDim = kSplitHeadDim_;
   static constexpr int kStages = kStages_;
-  static constexpr int kBlockN = 128;
-  static constexpr int kBlockM = 64;
   static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kKeysPerWarpgroup = kBlockN / kConsumerWarpgroups;
-  static constexpr int kDqColumns = kHeadDim / kConsumerWarpgroups;  // dQ columns per warpgroup
+  static constexpr int kBlockN = kSplitHeadDim ? 64 : 128;
+  static constexpr int kBlockM = 64;
+  static constexpr int kKeysPerWarpgroup = 64;                                       // M of Sᵀ, dV, dK
+  static constexpr int kQueriesPerWarpgroup = kSplitHeadDim ? kBlockM / 2 : kBlockM;  // N of Sᵀ, dPᵀ
+  static constexpr int kAccColumns = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;       // dK, dV columns
+  static constexpr int kDqColumns = kHeadDim / kConsumerWarpgroups;                 // dQ columns
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
@@ -74,27 +101,31 @@ struct Sm90BackwardShape {
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kScoreBytes = kBlockN * kBlockM * 2;  // dSᵀ: key rows, query columns
+  static constexpr int kScoreBytes = kBlockN * kBlockM * 2;  // one score tile: key rows, query columns
+  static constexpr int kScoreTiles = kSplitHeadDim ? 2 : 1;  // dSᵀ (and Pᵀ), per buffer
   static constexpr int kRowStatBytes = kBlockM * 4;          // lse2 or D of one query block
   // Byte offsets from the 1024-byte aligned base; the tiles come first so each stays aligned.
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKVBytes;
   static constexpr int kOffQ = kOffV + kKVBytes;
   static constexpr int kOffDO = kOffQ + kStages * kQBytes;
-  static constexpr int kOffDS = kOffDO + kStages * kQBytes;
-  static constexpr int kOffLse = kOffDS + 2 * kScoreBytes;
-  static constexpr int kOffD = kOffLse + kStages * kRowStatBytes;
-  static constexpr int kOffBarriers = kOffD + kStages * kRowStatBytes;
+  static constexpr int kOffScores = kOffDO + kStages * kQBytes;
+  static constexpr int kOffLse = kOffScores + 2 * kScoreTiles * kScoreBytes;
+  static constexpr int kOffD = kOffLse + 2 * kRowStatBytes;  // both double-buffered by iteration
+  static constexpr int kOffBarriers = kOffD + 2 * kRowStatBytes;
   static constexpr int kBarriers = 1 + 2 * kStages;  // K/V full; per stage full, empty
   static constexpr int kSmemBytes = sm90::kSwizzleAtomBytes + kOffBarriers + 8 * kBarriers;
-  static constexpr int kStageBytes = 2 * kQBytes + 2 * kRowStatBytes;  // TMA bytes per stage
+  static constexpr int kStageBytes = 2 * kQBytes;  // TMA bytes per stage
 
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(kHeadDim % sm90::kSwizzleElements == 0, "head-dim tile is whole 64-column blocks");
-  static_assert(kBlockM == sm90::kSwizzleElements, "a dSᵀ row is one swizzle row (the MN-major A of dQ)");
-  static_assert(kKeysPerWarpgroup == 64, "a warpgroup's keys are the M = 64 of its products");
-  static_assert(backward::kQueryRowRounding % kBlockM == 0, "the lse2 / D bulk copies stay in the workspace");
+  static_assert(kAccColumns % sm90::kSwizzleElements == 0, "a warpgroup's dK, dV columns are whole column blocks");
+  static_assert(kBlockM == sm90::kSwizzleElements, "a score-tile row is one swizzle row (the MN-major A of dQ)");
+  static_assert(kBlockN == kKeysPerWarpgroup * (kSplitHeadDim ? 1 : kConsumerWarpgroups), "key ownership");
+  static_assert(backward::kQueryRowRounding % kBlockM == 0, "lse2 / D reads of a block stay in the workspace");
+  static_assert(2 * kBlockM <= kConsumerThreads, "one consumer thread per lse2 or D value");
+  static_assert(kSmemBytes <= 227 * 1024, "fits the shared memory of an sm_90 block");
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
                 "register budget");
 };
@@ -108,29 +139,51 @@ struct Sm90BackwardArgs {
 
 namespace backward {
 
-// Pᵀ in place of Sᵀ (this warp's 16 keys x 64 queries, the m16n8 accumulator layout:
-// element 4j + e is key row g + 8 (e / 2), query 8j + 2t + e % 2). kMasked: the tile is cut by
-// the mask or the end of the keys; keys past seqlen_k have an empty visible range.
-template <bool kMasked>
-__device__ __forceinline__ void scores_to_probabilities(float (&s)[32], const float* lse2, float scale_log2,
-                                                        int query0, const int (&visible_begin)[2],
+// Pᵀ in place of Sᵀ (this warp's 16 keys x kColumns queries, the m16n8 accumulator layout:
+// element 4j + e is key row g + 8 (e / 2), query 8j + 2t + e % 2, with lse2[j] the pair of
+// those two queries). kMasked: the tile is cut by the mask or the end of the keys; keys past
+// seqlen_k have an empty visible range.
+template <bool kMasked, int kColumns>
+__device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2], const float2 (&lse2)[kColumns / 8],
+                                                        float scale_log2, int query0, const int (&visible_begin)[2],
                                                         const int (&visible_end)[2], int t) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int col = 8 * j + 2 * t;
-    const float2 l = *reinterpret_cast<const float2*>(lse2 + col);
+  for (int j = 0; j < kColumns / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       // lse2 = +inf (a query that sees no key, or past seqlen_q) gives exp2(-inf) = 0.
-      const float x = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l.y : l.x)));
+      const float x = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 1) ? lse2[j].y : lse2[j].x)));
       if constexpr (kMasked) {
-        const int query = query0 + col + (e & 1);
+        const int query = query0 + 8 * j + 2 * t + (e & 1);
         s[4 * j + e] = query >= visible_begin[e >> 1] && query < visible_end[e >> 1] ? x : 0.f;
       } else {
         s[4 * j + e] = x;
       }
     }
   }
+}
+
+// The lse2 or D pairs of this lane's query columns 8j + 2t, 8j + 2t + 1.
+template <int kColumns>
+__device__ __forceinline__ void load_row_stats(float2 (&dst)[kColumns / 8], const float* row_stats, int t) {
+#pragma unroll
+  for (int j = 0; j < kColumns / 8; ++j) dst[j] = *reinterpret_cast<const float2*>(row_stats + 8 * j + 2 * t);
+}
+
+// A warp's 16 key rows x kColumns queries of accumulator values into a swizzled score tile (key
+// rows of 64 queries: one 128-byte row each), starting at query column 8 * chunk0: the 16-byte
+// chunk c of row r sits at chunk c ^ (r % 8), and r % 8 = g for both of this lane's rows.
+template <typename Element, int kColumns>
+__device__ __forceinline__ void store_score_tile(unsigned char* tile, const float (&v)[kColumns / 2], int key_row0,
+                                                 int chunk0, int g, int t) {
+#pragma unroll
+  for (int j = 0; j < kColumns / 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = key_row0 + g + 8 * half;
+      *reinterpret_cast<uint32_t*>(tile + row * sm90::kSwizzleBytes + (((chunk0 + j) ^ g) * 16) + 4 * t) =
+          MmaElement<Element>::pack(v[4 * j + 2 * half], v[4 * j + 2 * half + 1]);
+    }
 }
 
 }  // namespace backward
@@ -141,6 +194,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int W = Shape::kHeadDim, BN = Shape::kBlockN, BM = Shape::kBlockM;
   constexpr int kStages = Shape::kStages;
+  constexpr bool kSplit = Shape::kSplitHeadDim;
+  constexpr int NQ = Shape::kQueriesPerWarpgroup, NA = Shape::kAccColumns;
   using Mma = MmaElement<Element>;
   const AttentionBwdParams& p = args.params;
 
@@ -151,9 +206,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const uint32_t k_smem = base + Shape::kOffK, v_smem = base + Shape::kOffV;
   const auto q_smem = [&](int stage) { return base + Shape::kOffQ + stage * Shape::kQBytes; };
   const auto do_smem = [&](int stage) { return base + Shape::kOffDO + stage * Shape::kQBytes; };
-  const auto ds_smem = [&](int buf) { return base + Shape::kOffDS + buf * Shape::kScoreBytes; };
-  const auto lse_smem = [&](int stage) { return base + Shape::kOffLse + stage * Shape::kRowStatBytes; };
-  const auto d_smem = [&](int stage) { return base + Shape::kOffD + stage * Shape::kRowStatBytes; };
+  // Score tile `tile` (0: dSᵀ, 1: Pᵀ) of buffer `buf`.
+  const auto score_offset = [&](int buf, int tile) {
+    return Shape::kOffScores + (buf * Shape::kScoreTiles + tile) * Shape::kScoreBytes;
+  };
   const uint32_t barriers = base + Shape::kOffBarriers;
   const uint32_t kv_full = barriers;
   const auto full = [&](int stage) { return barriers + 8 * (1 + stage); };
@@ -192,9 +248,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         sm90::mbarrier_arrive_expect_bytes(full(stage), Shape::kStageBytes);
         sm90::tma_load_tile<Shape::kColumnBlocks>(q_smem(stage), &args.q_map, full(stage), BM, m0, h, b);
         sm90::tma_load_tile<Shape::kColumnBlocks>(do_smem(stage), &args.do_map, full(stage), BM, m0, h, b);
-        const int64_t row = (static_cast<int64_t>(b) * p.nheads_q + h) * p.seqlen_q_rounded + m0;
-        sm90::bulk_load(lse_smem(stage), p.lse_log2 + row, Shape::kRowStatBytes, full(stage));
-        sm90::bulk_load(d_smem(stage), p.softmax_d + row, Shape::kRowStatBytes, full(stage));
       }
     }
     return;
@@ -203,8 +256,13 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   sm90::warpgroup_registers_grow<Shape::kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int warp_row = ((threadIdx.x / 32) % 4) * 16;                // this warp's rows of an M = 64 product
-  const int key_row0 = consumer * Shape::kKeysPerWarpgroup + warp_row;  // its keys in the block
+  const int warp_row = ((threadIdx.x / 32) % 4) * 16;  // this warp's rows of an M = 64 product
+  // This warpgroup's keys (rows of Sᵀ, dK, dV) in the block, queries (columns of Sᵀ) in the
+  // query block, and dK / dV columns.
+  const int wg_key0 = kSplit ? 0 : consumer * Shape::kKeysPerWarpgroup;
+  const int key_row0 = wg_key0 + warp_row;
+  const int wg_query0 = kSplit ? consumer * NQ : 0;
+  const int acc_col0 = kSplit ? consumer * NA : 0;
 
   // The queries [visible_begin, visible_end) that see each of this lane's two keys.
   int visible_begin[2], visible_end[2];
@@ -214,107 +272,144 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     visible_begin[half] = mask.query_begin(key);
     visible_end[half] = key < p.seqlen_k ? mask.query_end(key + 1) : 0;
   }
-  const int wg_key_begin = n0 + consumer * Shape::kKeysPerWarpgroup;
 
-  float acc_dk[W / 2], acc_dv[W / 2];
+  float acc_dk[NA / 2], acc_dv[NA / 2];
 #pragma unroll
-  for (int i = 0; i < W / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+  for (int i = 0; i < NA / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
-  // Operands of this warpgroup. K and V rows of its keys are the K-major A of Sᵀ and dPᵀ; the
-  // dQ product reads K MN-major over all keys, from its half of the head-dim columns (a 64-byte
-  // offset into a swizzle row at W = 64, which the address-based swizzle allows like the
-  // 32-byte k-steps of the K-major operands).
-  const uint32_t k_rows = k_smem + consumer * Shape::kKeysPerWarpgroup * sm90::kSwizzleBytes;
-  const uint32_t v_rows = v_smem + consumer * Shape::kKeysPerWarpgroup * sm90::kSwizzleBytes;
+  // Operands of this warpgroup. K and V rows of its keys are the K-major A of Sᵀ and dPᵀ, Q and
+  // dO rows of its queries the K-major B; by head dims, dO and Q from its first column block are
+  // the MN-major B of dV, dK. The dQ product reads K MN-major over all keys, from its half of the
+  // head-dim columns (a 64-byte offset into a swizzle row at W = 64, which the address-based
+  // swizzle allows like the 32-byte k-steps of the K-major operands).
+  const uint32_t k_rows = k_smem + wg_key0 * sm90::kSwizzleBytes;
+  const uint32_t v_rows = v_smem + wg_key0 * sm90::kSwizzleBytes;
+  const uint32_t query_rows = wg_query0 * sm90::kSwizzleBytes;
+  const uint32_t acc_cols = (acc_col0 / sm90::kSwizzleElements) * BM * sm90::kSwizzleBytes;
   const int dq_col0 = consumer * Shape::kDqColumns;
   const uint32_t k_dq_cols = k_smem + (dq_col0 / sm90::kSwizzleElements) * BN * sm90::kSwizzleBytes +
                              (dq_col0 % sm90::kSwizzleElements) * 2;
   using sm90::k_major_descriptor;
   using sm90::mn_major_descriptor;
 
-  if (num_iters > 0) sm90::mbarrier_wait(kv_full, 0);
-  for (int it = 0; it < num_iters; ++it) {
-    const int stage = it % kStages;
-    const int ds_buf = it & 1;
+  // This thread's share of the lse2 / D prefetch: value `stat_index` of a block's 64 lse2
+  // (0..63) or 64 D (64..127); threads 128.. have none.
+  const int stat_index = threadIdx.x - 128;
+  const auto fetch_row_stat = [&](int it) {
     const int h = h_kv * group + it / num_m;
     const int m0 = (m_first + it % num_m) * BM;
+    const int64_t row = (static_cast<int64_t>(b) * p.nheads_q + h) * p.seqlen_q_rounded + m0;
+    return stat_index < BM ? __ldg(p.lse_log2 + row + stat_index) : __ldg(p.softmax_d + row + stat_index - BM);
+  };
+  float* const row_stat_buffers = reinterpret_cast<float*>(base_ptr + Shape::kOffLse);  // [lse2 x 2][D x 2]
+  const auto store_row_stat = [&](int it, float value) {
+    const int kind = stat_index / BM;  // 0: lse2, 1: D
+    row_stat_buffers[(2 * kind + (it & 1)) * BM + stat_index % BM] = value;
+  };
+  if (num_iters > 0) {
+    if (stat_index < 2 * BM) store_row_stat(0, fetch_row_stat(0));
+    sm90::named_barrier_sync(1, Shape::kConsumerThreads);
+    sm90::mbarrier_wait(kv_full, 0);
+  }
+  for (int it = 0; it < num_iters; ++it) {
+    const int stage = it % kStages;
+    const int buf = it & 1;
+    const int h = h_kv * group + it / num_m;
+    const int m0 = (m_first + it % num_m) * BM;
+    const bool prefetch = stat_index < 2 * BM && it + 1 < num_iters;
+    const float next_row_stat = prefetch ? fetch_row_stat(it + 1) : 0.f;
 
-    float s[32], dp[32];  // Sᵀ then Pᵀ; dPᵀ then dSᵀ
+    float s[NQ / 2], dp[NQ / 2];  // Sᵀ then Pᵀ; dPᵀ then dSᵀ
     sm90::mbarrier_wait(full(stage), (it / kStages) & 1);
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)
-      Wgmma<Element, BM>::ss(s, k_major_descriptor(k_rows + sm90::k_major_step(ks, BN)),
-                             k_major_descriptor(q_smem(stage) + sm90::k_major_step(ks, BM)), ks > 0);
+      Wgmma<Element, NQ>::ss(s, k_major_descriptor(k_rows + sm90::k_major_step(ks, BN)),
+                             k_major_descriptor(q_smem(stage) + query_rows + sm90::k_major_step(ks, BM)), ks > 0);
     sm90::wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)
-      Wgmma<Element, BM>::ss(dp, k_major_descriptor(v_rows + sm90::k_major_step(ks, BN)),
-                             k_major_descriptor(do_smem(stage) + sm90::k_major_step(ks, BM)), ks > 0);
+      Wgmma<Element, NQ>::ss(dp, k_major_descriptor(v_rows + sm90::k_major_step(ks, BN)),
+                             k_major_descriptor(do_smem(stage) + query_rows + sm90::k_major_step(ks, BM)), ks > 0);
     sm90::wgmma_commit();
 
     sm90::wgmma_wait<1>();
     sm90::fence_registers(s);
-    const float* lse2 = reinterpret_cast<const float*>(base_ptr + Shape::kOffLse + stage * Shape::kRowStatBytes);
-    if (mask.tile_fully_visible(m0, min(m0 + BM, p.seqlen_q), wg_key_begin, wg_key_begin + Shape::kKeysPerWarpgroup))
-      backward::scores_to_probabilities<false>(s, lse2, p.softmax_scale_log2, m0, visible_begin, visible_end, t);
+    float2 lse2[NQ / 8], dsum[NQ / 8];
+    backward::load_row_stats<NQ>(lse2, row_stat_buffers + buf * BM + wg_query0, t);
+    const int wg_key_begin = n0 + wg_key0, wg_query_begin = m0 + wg_query0;
+    if (mask.tile_fully_visible(wg_query_begin, min(wg_query_begin + NQ, p.seqlen_q), wg_key_begin,
+                                wg_key_begin + Shape::kKeysPerWarpgroup))
+      backward::scores_to_probabilities<false, NQ>(s, lse2, p.softmax_scale_log2, wg_query_begin, visible_begin,
+                                                   visible_end, t);
     else
-      backward::scores_to_probabilities<true>(s, lse2, p.softmax_scale_log2, m0, visible_begin, visible_end, t);
+      backward::scores_to_probabilities<true, NQ>(s, lse2, p.softmax_scale_log2, wg_query_begin, visible_begin,
+                                                  visible_end, t);
 
     sm90::wgmma_wait<0>();
     sm90::fence_registers(dp);
-    const float* dsum = reinterpret_cast<const float*>(base_ptr + Shape::kOffD + stage * Shape::kRowStatBytes);
+    backward::load_row_stats<NQ>(dsum, row_stat_buffers + (2 + buf) * BM + wg_query0, t);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 d = *reinterpret_cast<const float2*>(dsum + 8 * j + 2 * t);
+    for (int j = 0; j < NQ / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? d.y : d.x));
-    }
-    // Pᵀ and dSᵀ as the A fragments of the k16 steps over the 64 queries.
-    uint32_t pa[BM / 16][4], dsa[BM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = 8 * kk + 4 * (r >> 1) + 2 * (r & 1);  // n-tile 2kk + r/2, row half r % 2
-        pa[kk][r] = Mma::pack(s[i], s[i + 1]);
-        dsa[kk][r] = Mma::pack(dp[i], dp[i + 1]);
-      }
+      for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
 
-    sm90::fence_registers(acc_dv);
-    sm90::fence_registers(acc_dk);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      Wgmma<Element, W>::rs_b_mn_major(acc_dv, pa[kk],
-                                       mn_major_descriptor(do_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      Wgmma<Element, W>::rs_b_mn_major(acc_dk, dsa[kk],
-                                       mn_major_descriptor(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
-    sm90::wgmma_commit();
-
-    // dSᵀ into its swizzled tile (key rows of 64 queries = one 128-byte row each): the 16-byte
-    // chunk j of row r sits at chunk j ^ (r % 8), and r % 8 = g for both of this lane's rows.
-    {
-      unsigned char* ds_tile = base_ptr + Shape::kOffDS + ds_buf * Shape::kScoreBytes;
+    if constexpr (!kSplit) {
+      // Pᵀ and dSᵀ as the A fragments of the k16 steps over the 64 queries.
+      uint32_t pa[BM / 16][4], dsa[BM / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const int row = key_row0 + g + 8 * (r & 1), chunk = 2 * kk + (r >> 1);
-          *reinterpret_cast<uint32_t*>(ds_tile + row * sm90::kSwizzleBytes + ((chunk ^ g) * 16) + 4 * t) = dsa[kk][r];
+          const int i = 8 * kk + 4 * (r >> 1) + 2 * (r & 1);  // n-tile 2kk + r/2, row half r % 2
+          pa[kk][r] = Mma::pack(s[i], s[i + 1]);
+          dsa[kk][r] = Mma::pack(dp[i], dp[i + 1]);
         }
+      sm90::fence_registers(acc_dv);
+      sm90::fence_registers(acc_dk);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<Element, W>::rs_b_mn_major(acc_dv, pa[kk],
+                                         mn_major_descriptor(do_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<Element, W>::rs_b_mn_major(acc_dk, dsa[kk],
+                                         mn_major_descriptor(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
+      sm90::wgmma_commit();
+    } else {
+      backward::store_score_tile<Element, NQ>(base_ptr + score_offset(buf, 1), s, key_row0, wg_query0 / 8, g, t);
     }
+    backward::store_score_tile<Element, NQ>(base_ptr + score_offset(buf, 0), dp, key_row0, wg_query0 / 8, g, t);
+    if (prefetch) store_row_stat(it + 1, next_row_stat);
     sm90::fence_shared_to_async_proxy();
     sm90::named_barrier_sync(1, Shape::kConsumerThreads);
+
+    const uint32_t ds_tile = base + score_offset(buf, 0);
+    if constexpr (kSplit) {
+      const uint32_t p_tile = base + score_offset(buf, 1);
+      sm90::fence_registers(acc_dv);
+      sm90::fence_registers(acc_dk);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<Element, NA>::ss_b_mn_major(
+            acc_dv, k_major_descriptor(p_tile + sm90::k_major_step(kk, BN)),
+            mn_major_descriptor(do_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<Element, NA>::ss_b_mn_major(
+            acc_dk, k_major_descriptor(ds_tile + sm90::k_major_step(kk, BN)),
+            mn_major_descriptor(q_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
+      sm90::wgmma_commit();
+    }
 
     float dq[Shape::kDqColumns / 2];
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<Element, Shape::kDqColumns>::ss_ab_mn_major(
-          dq, mn_major_descriptor(ds_smem(ds_buf) + kk * 16 * sm90::kSwizzleBytes, BN),
+          dq, mn_major_descriptor(ds_tile + kk * 16 * sm90::kSwizzleBytes, BN),
           mn_major_descriptor(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN), kk > 0);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
@@ -348,8 +443,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int row = key_row0 + g + 8 * half;
     if (n0 + row < p.seqlen_k) {
 #pragma unroll
-      for (int j = 0; j < W / 8; ++j) {
-        const int col = 8 * j + 2 * t;
+      for (int j = 0; j < NA / 8; ++j) {
+        const int col = acc_col0 + 8 * j + 2 * t;
         if (col < p.head_dim) {
           *reinterpret_cast<uint32_t*>(dk + row * p.dk_strides.row + col) =
               Mma::pack(acc_dk[4 * j + 2 * half] * p.softmax_scale, acc_dk[4 * j + 2 * half + 1] * p.softmax_scale);

@@ -6,6 +6,7 @@
 // Build: header only, through backward_launch.cuh (instantiations/bwd_hdim<W>.cu) or the
 // standalone check benchmarks/kernels/backward_sm90_check.cu. Versions:
 //   v1  plans for W = 64 and 128.
+//   v2  W = 256, split by head dims.
 #pragma once
 
 #include <cuda.h>
@@ -21,20 +22,25 @@ namespace flashattn {
 
 // The Hopper backward plan per head-dim tile width W (void: none, the mma.sync kernel runs).
 // What bounds it (backward_kernel_sm90.cuh has the details):
-//  - registers: dK + dV take W of the 240 registers a consumer thread has, Sᵀ + dPᵀ 64 more,
-//    so W = 256 does not fit (and W = 32, 96, 192 are not whole 128-byte swizzle columns);
-//  - shared memory: 162 KB at W = 128 and 98 KB at W = 64 with two Q/dO stages.
+//  - registers: split by keys, dK + dV take W of the 240 registers a consumer thread has and
+//    Sᵀ + dPᵀ 64 more, so W = 256 splits the head dimension instead (128 + 32); W = 32, 96, 192
+//    are not whole 128-byte swizzle columns (192 would be, split by head dims, only as 96 + 96);
+//  - shared memory (two Q/dO stages): 98 KB at W = 64, 160 KB at W = 128, 224 KB at W = 256.
 template <int W>
 struct Sm90BackwardPlan {
   using Shape = void;
 };
 template <>
 struct Sm90BackwardPlan<64> {
-  using Shape = Sm90BackwardShape<64>;
+  using Shape = Sm90BackwardShape<64, false>;
 };
 template <>
 struct Sm90BackwardPlan<128> {
-  using Shape = Sm90BackwardShape<128>;
+  using Shape = Sm90BackwardShape<128, false>;
+};
+template <>
+struct Sm90BackwardPlan<256> {
+  using Shape = Sm90BackwardShape<256, true>;
 };
 
 // Fills the kernel's arguments; false where TMA cannot describe an input (a stride or a base
@@ -42,9 +48,9 @@ struct Sm90BackwardPlan<128> {
 template <typename Element, typename Shape>
 bool make_backward_sm90_args(const AttentionBwdParams& params, Sm90BackwardArgs* args) {
   args->params = params;
-  // The lse2 / D rows are bulk-copied 16 bytes at a time.
-  const bool aligned = reinterpret_cast<uintptr_t>(params.lse_log2) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(params.softmax_d) % 16 == 0;
+  // The producer lanes read lse2 / D as float pairs.
+  const bool aligned = reinterpret_cast<uintptr_t>(params.lse_log2) % 8 == 0 &&
+                       reinterpret_cast<uintptr_t>(params.softmax_d) % 8 == 0;
   return aligned &&
          encode_tile_map<Element>(&args->q_map, params.q, params.q_strides, params.head_dim, params.seqlen_q,
                                   params.nheads_q, params.batch, Shape::kBlockM) &&

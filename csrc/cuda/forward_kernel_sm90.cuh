@@ -60,13 +60,16 @@ struct Sm90ForwardShape {
   static constexpr int kBarriers = 1 + 3 * kStages;  // Q full; per stage K full, V full, empty
   // + slack to align the tiles to a swizzle atom.
   static constexpr int kSmemBytes = sm90::kSwizzleAtomBytes + kTileBytes + 8 * kBarriers;
-  // setmaxnreg budgets: 128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters)
-  // must stay within the 64K registers of the SM (one block per SM).
+  // setmaxnreg budgets: kBlocksPerSM * 128 * (kProducerRegisters + kConsumerWarpgroups *
+  // kConsumerRegisters) must stay within the 64K registers of the SM. One consumer warpgroup
+  // leaves room for two blocks per SM, so one block's loads and epilogue overlap the other's
+  // products (short key loops: causal, small N).
+  static constexpr int kBlocksPerSM = kConsumerWarpgroups == 1 ? 2 : 1;
   static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 1 ? 232 : kConsumerWarpgroups == 2 ? 240 : 160;
   static_assert(kHeadDim % sm90::kSwizzleElements == 0, "head-dim tile is whole 64-column blocks");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N and k16 steps");
-  static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
+  static_assert(kBlocksPerSM * 128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
                 "register budget");
 };
 
@@ -78,7 +81,7 @@ struct Sm90ForwardArgs {
 };
 
 template <typename Element, typename Shape>
-__global__ void __launch_bounds__(Shape::kThreads, 1)
+__global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     attention_forward_sm90_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kHeadDim = Shape::kHeadDim;

@@ -18,16 +18,20 @@ namespace flashattn {
 //  - shared memory: Q (kBlockM x W) + kStages x (K + V) (kBlockN x W), within the
 //    227 KB of an sm_90 block. The overlapped pipeline needs 3 stages (two key
 //    blocks are in use at once): W = 64 and 128 fit them with kBlockN = 128
-//    (113 / 225 KB); W = 256 fits 2 stages of kBlockN = 64 (193 KB) and runs the
+//    (105 / 225 KB); W = 256 fits 2 stages of kBlockN = 64 (193 KB) and runs the
 //    products in sequence, which beat 3 stages of kBlockN = 32 there (618 against
 //    541 TFLOP/s at N 8192 on the H200; benchmarks/RESULTS.md has the sweep).
+//  - blocks per SM: W = 64 runs one consumer warpgroup (kBlockM = 64), so two blocks
+//    (105 KB, 32K registers each) share an SM and one's loads and epilogue hide under
+//    the other's products: +12 % at N 1024 causal, +8 % at N 1024, -1 % at N 8192
+//    against two warpgroups of one block. W = 128 has no room for a second block.
 template <int W>
 struct Sm90ForwardPlan {
   using Shape = void;
 };
 template <>
 struct Sm90ForwardPlan<64> {
-  using Shape = Sm90ForwardShape<64, 128, 2, 3>;
+  using Shape = Sm90ForwardShape<64, 128, 1, 3>;
 };
 template <>
 struct Sm90ForwardPlan<128> {
