@@ -280,6 +280,19 @@ struct BackwardBlock {
   }
 };
 
+// The queries [begin, end) that see each of a lane's two key rows, key and key + 8 (rows g and
+// g + 8 of a warp's 16 in the m16n8 accumulator layout): the element mask of a straddling tile
+// is then two compares per score. A key past seqlen_k gets an empty range.
+__device__ __forceinline__ void lane_visible_queries(const MaskGeometry& mask, int key, int (&begin)[2],
+                                                     int (&end)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int k = key + 8 * half;
+    begin[half] = mask.query_begin(k);
+    end[half] = k < mask.seqlen_k ? mask.query_end(k + 1) : 0;
+  }
+}
+
 // Element (b, row, h, 0) of a (batch, seqlen, nheads, head_dim) tensor, in 64-bit arithmetic.
 template <typename T>
 __device__ __forceinline__ T* element_at(T* base, const TensorStrides& s, int b, int row, int h) {
@@ -398,16 +411,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const int m_last = m_first + num_m - 1;
   const MaskGeometry& mask = blk.mask;
 
-  // The queries [visible_begin, visible_end) that see each of this lane's two key rows
-  // (rows g and g+8 of the warp's 16): the element mask of a straddling tile is then two
-  // compares per score. A key past seqlen_k gets an empty range.
   int visible_begin[2], visible_end[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = n0 + key_row0 + g + 8 * half;
-    visible_begin[half] = mask.query_begin(key);
-    visible_end[half] = key < p.seqlen_k ? mask.query_end(key + 1) : 0;
-  }
+  lane_visible_queries(mask, n0 + key_row0 + g, visible_begin, visible_end);
 
   // The iterations walk the query heads of the group in order and, per head, the query blocks
   // from m_last down to m_first.

@@ -118,7 +118,8 @@ struct Sm90BackwardShape {
   static constexpr int kStageBytes = 2 * kQBytes;  // TMA bytes per stage
 
   static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kConsumerRegisters =
+      sm90::consumer_registers(kProducerRegisters, kConsumerWarpgroups, /*blocks_per_sm=*/1);
   static_assert(kHeadDim % sm90::kSwizzleElements == 0, "head-dim tile is whole 64-column blocks");
   static_assert(kAccColumns % sm90::kSwizzleElements == 0, "a warpgroup's dK, dV columns are whole column blocks");
   static_assert(kBlockM == sm90::kSwizzleElements, "a score-tile row is one swizzle row (the MN-major A of dQ)");
@@ -264,14 +265,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int wg_query0 = kSplit ? consumer * NQ : 0;
   const int acc_col0 = kSplit ? consumer * NA : 0;
 
-  // The queries [visible_begin, visible_end) that see each of this lane's two keys.
   int visible_begin[2], visible_end[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = n0 + key_row0 + g + 8 * half;
-    visible_begin[half] = mask.query_begin(key);
-    visible_end[half] = key < p.seqlen_k ? mask.query_end(key + 1) : 0;
-  }
+  backward::lane_visible_queries(mask, n0 + key_row0 + g, visible_begin, visible_end);
 
   float acc_dk[NA / 2], acc_dv[NA / 2];
 #pragma unroll

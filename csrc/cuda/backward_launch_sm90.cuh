@@ -12,7 +12,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <cstdint>
 
 #include "backward_kernel_sm90.cuh"
 #include "kernel_launch.cuh"
@@ -48,11 +47,7 @@ struct Sm90BackwardPlan<256> {
 template <typename Element, typename Shape>
 bool make_backward_sm90_args(const AttentionBwdParams& params, Sm90BackwardArgs* args) {
   args->params = params;
-  // The producer lanes read lse2 / D as float pairs.
-  const bool aligned = reinterpret_cast<uintptr_t>(params.lse_log2) % 8 == 0 &&
-                       reinterpret_cast<uintptr_t>(params.softmax_d) % 8 == 0;
-  return aligned &&
-         encode_tile_map<Element>(&args->q_map, params.q, params.q_strides, params.head_dim, params.seqlen_q,
+  return encode_tile_map<Element>(&args->q_map, params.q, params.q_strides, params.head_dim, params.seqlen_q,
                                   params.nheads_q, params.batch, Shape::kBlockM) &&
          encode_tile_map<Element>(&args->do_map, params.dout, params.dout_strides, params.head_dim,
                                   params.seqlen_q, params.nheads_q, params.batch, Shape::kBlockM) &&

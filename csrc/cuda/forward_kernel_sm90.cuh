@@ -66,7 +66,8 @@ struct Sm90ForwardShape {
   // products (short key loops: causal, small N).
   static constexpr int kBlocksPerSM = kConsumerWarpgroups == 1 ? 2 : 1;
   static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 1 ? 232 : kConsumerWarpgroups == 2 ? 240 : 160;
+  static constexpr int kConsumerRegisters =
+      sm90::consumer_registers(kProducerRegisters, kConsumerWarpgroups, kBlocksPerSM);
   static_assert(kHeadDim % sm90::kSwizzleElements == 0, "head-dim tile is whole 64-column blocks");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N and k16 steps");
   static_assert(kBlocksPerSM * 128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,

@@ -146,6 +146,15 @@ __device__ __forceinline__ void fence_registers(float (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+// The registers per thread setmaxnreg can give each consumer warpgroup once the producer
+// warpgroup has shrunk to `producer`: what the SM's 64K registers leave for `blocks_per_sm`
+// blocks, in the multiples of 8 setmaxnreg takes, at most its 256.
+constexpr int consumer_registers(int producer, int consumer_warpgroups, int blocks_per_sm) {
+  const int per_thread = 65536 / (128 * blocks_per_sm);  // per thread of a warpgroup, all warpgroups
+  const int share = (per_thread - producer) / consumer_warpgroups / 8 * 8;
+  return share < 256 ? share : 256;
+}
+
 template <int kRegisters>
 __device__ __forceinline__ void warpgroup_registers_shrink() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
