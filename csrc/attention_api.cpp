@@ -34,7 +34,9 @@ void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& q
 }
 
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "flashattn_ext: ", name,
+  // An empty tensor has no element to address, whatever its strides (autograd
+  // hands the backward an expanded, stride-0 gradient of an empty output).
+  TORCH_CHECK(t.numel() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, "flashattn_ext: ", name,
               " must be contiguous in its last dimension (head_dim): got stride ", t.stride(-1),
               ", expected 1");
 }

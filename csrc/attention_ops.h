@@ -12,7 +12,7 @@ namespace flashattn {
   const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, double softmax_scale,   \
       bool causal, int64_t window_left, int64_t window_right, double softcap,           \
       const std::optional<at::Tensor>&alibi_slopes, double dropout_p,                    \
-      const std::optional<at::Tensor>&rng_state
+      const std::optional<at::Tensor>&rng_state, bool deterministic
 
 #define FLASHATTN_BACKWARD_ARGS                                                           \
   const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, \

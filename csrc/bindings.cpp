@@ -14,7 +14,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(FLASHATTN_FORWARD_ARGS) {
                        .findSchemaOrThrow("flashattn_ext::attention_forward", "")
                        .typed<decltype(flashattn::attention_forward_cpu)>();
   return op.call(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                 dropout_p, rng_state);
+                 dropout_p, rng_state, deterministic);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(FLASHATTN_BACKWARD_ARGS) {

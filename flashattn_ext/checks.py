@@ -90,8 +90,8 @@ def check_dtype_supported(q: torch.Tensor) -> None:
 
 def check_last_dim_contiguous(t: torch.Tensor, name: str) -> None:
     # Only the head dim need be unit-stride: every other stride goes to the
-    # kernel as given (no copy).
-    if t.size(-1) > 1 and t.stride(-1) != 1:
+    # kernel as given. Empty tensors address nothing, so any stride will do.
+    if t.numel() != 0 and t.size(-1) > 1 and t.stride(-1) != 1:
         raise RuntimeError(
             f"flashattn_ext: {name} must be contiguous in its last dimension (head_dim): "
             f"got stride {t.stride(-1)}, expected 1"
@@ -113,11 +113,12 @@ def check_head_dim_aligned(head_dim) -> None:
         )
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, require_aligned_head_dim: bool) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_layout: bool) -> None:
     """Shapes, dtypes, devices and strides of q, k, v.
 
-    ``require_aligned_head_dim`` is True for the op itself and False for
-    flash_attn_func, which pads the head dim to a multiple of 8.
+    ``kernel_layout`` is True for the op itself, whose head dim must be a
+    multiple of 8 and unit-stride, and False for flash_attn_func, which pads
+    and copies to give the op that layout.
     """
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         check_is_tensor(t, name)
@@ -138,7 +139,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, require_alig
     check_size(k, "k", 3, "head_dim", head_dim, "q")
     check_size(v, "v", 3, "head_dim", head_dim, "q")
     check_head_dim_limit(head_dim)
-    if require_aligned_head_dim:
+    if kernel_layout:
         check_head_dim_aligned(head_dim)
     if nheads_kv == 0 and nheads != 0:
         raise RuntimeError("flashattn_ext: k nheads (dim 2) must be positive when q has heads, got 0")
@@ -147,8 +148,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, require_alig
             f"flashattn_ext: q nheads (dim 2) must be a multiple of k nheads (dim 2): "
             f"got {nheads} and {nheads_kv}"
         )
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        check_last_dim_contiguous(t, name)
+    if kernel_layout:
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            check_last_dim_contiguous(t, name)
 
 
 def check_softmax_scale(softmax_scale) -> None:
@@ -233,10 +235,10 @@ def check_rng_state(rng_state: Optional[torch.Tensor], dropout_p) -> None:
 
 
 def check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
-                       *, require_aligned_head_dim: bool) -> None:
+                       *, kernel_layout: bool) -> None:
     """Every check of the op's forward arguments except the per-backend feature
     support (softcap/ALiBi/dropout), which only the C++ backend knows."""
-    check_qkv(q, k, v, require_aligned_head_dim=require_aligned_head_dim)
+    check_qkv(q, k, v, kernel_layout=kernel_layout)
     check_softmax_scale(softmax_scale)
     check_dropout_p(dropout_p)
     check_softcap(softcap)
@@ -247,7 +249,7 @@ def check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p,
 def check_backward_args(dout, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, dropout_p,
                         rng_state) -> None:
     check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
-                       require_aligned_head_dim=True)
+                       kernel_layout=True)
     for t, name in ((dout, "dout"), (out, "out")):
         check_is_tensor(t, name)
         check_rank(t, name)

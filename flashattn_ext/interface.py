@@ -5,11 +5,12 @@ Same argument names, defaults and return conventions as flash-attn 2.x; layout
 (batch, seqlen, nheads, head_dim); MQA/GQA when nheads of k/v divides that of q;
 causal with seqlen_q != seqlen_k aligned bottom-right (flash-attn >= 2.1).
 
-Strides: only the last dimension need be contiguous. Every other stride goes to
-the kernel as given (no copy), so slices of a packed qkv tensor, transposed
-storage and expanded heads all run in place. The one copy made is for a head
-dim that is not a multiple of 8: it is padded with zeros to the next multiple
-(the op requires it, as in flash-attn), and the output is sliced back.
+Strides: every stride but the last goes to the kernel as given (no copy), so
+slices of a packed qkv tensor, transposed storage and expanded heads all run in
+place. q, k or v is copied once, as in flash-attn, when its last dimension is
+not contiguous, or when its head dim is not a multiple of 8 (it is then padded
+with zeros to the next multiple, which the op requires, and the output is
+sliced back).
 
 Differences from flash-attn, all deliberate:
 
@@ -40,11 +41,13 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-def _pad_head_dim(t: torch.Tensor, padded: int) -> torch.Tensor:
-    # Zero columns change neither q·k nor the output's first head_dim columns.
-    if t.size(-1) == padded:
-        return t
-    return F.pad(t, [0, padded - t.size(-1)])
+def _kernel_operand(t: torch.Tensor, padded_head_dim: int) -> torch.Tensor:
+    """t in the layout the op takes: head dim a multiple of 8 and unit-stride.
+    At most one copy: padding with zero columns (which change neither q·k nor
+    the output's first head_dim columns) also makes the head dim unit-stride."""
+    if t.size(-1) != padded_head_dim:
+        return F.pad(t, [0, padded_head_dim - t.size(-1)])
+    return ops.unit_stride_last_dim(t)
 
 
 def _draw_rng_state(device: torch.device) -> torch.Tensor:
@@ -57,42 +60,9 @@ def _draw_rng_state(device: torch.device) -> torch.Tensor:
     return torch.cat([seed, offset])
 
 
-class _FlashAttnFunction(torch.autograd.Function):
-    """Forward and backward through the two ops, remembering ``deterministic``
-    for the backward (the forward op's schema has no such argument, so the op's
-    own autograd formula in ops.py cannot carry it). torch.compile traces this
-    Function and sees each op as one opaque node."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                alibi_slopes, dropout_p, rng_state, deterministic):
-        out, lse = ops.attention_forward(q, k, v, softmax_scale, causal, window_left, window_right,
-                                         softcap, alibi_slopes, dropout_p, rng_state)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
-        ctx.softmax_scale = softmax_scale
-        ctx.causal = causal
-        ctx.window_left = window_left
-        ctx.window_right = window_right
-        ctx.softcap = softcap
-        ctx.dropout_p = dropout_p
-        ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        del dlse  # lse has no gradient (see the module docstring)
-        q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
-        dq, dk, dv = ops.run_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                      ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes,
-                                      ctx.dropout_p, rng_state,
-                                      ctx.deterministic or torch.are_deterministic_algorithms_enabled())
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
-
-
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs):
-    checks.check_qkv(q, k, v, require_aligned_head_dim=False)
+    checks.check_qkv(q, k, v, kernel_layout=False)
     window_left, window_right = checks.check_window_size(window_size)
     head_dim = q.size(-1)
     if softmax_scale is None:
@@ -109,10 +79,10 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     rng_state = _draw_rng_state(q.device) if dropout_p > 0.0 else None
 
     padded = _round_up(head_dim, checks.HEAD_DIM_ALIGNMENT)
-    q_p, k_p, v_p = (_pad_head_dim(t, padded) for t in (q, k, v))
-    out, lse = _FlashAttnFunction.apply(q_p, k_p, v_p, softmax_scale, bool(causal), window_left,
-                                        window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                                        bool(deterministic))
+    q_p, k_p, v_p = (_kernel_operand(t, padded) for t in (q, k, v))
+    out, lse = ops.attention_forward(q_p, k_p, v_p, softmax_scale, bool(causal), window_left,
+                                     window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                                     bool(deterministic))
     if padded != head_dim:
         out = out[..., :head_dim]
     if return_attn_probs:

@@ -9,7 +9,13 @@ side leaves to Python:
   op as one opaque node (no graph break, no data access).
 * ``register_autograd`` for ``attention_forward``: its backward is the
   ``attention_backward`` op, which recomputes the attention blocks from q, k
-  and the saved log-sum-exp.
+  and the saved log-sum-exp. This is the one autograd path: flash_attn_func
+  calls the forward op directly.
+* ``register_vmap`` for both ops: the vmapped dimension is folded into the
+  batch dimension, so ``torch.vmap`` costs one kernel launch.
+* ``register_autograd`` for ``attention_backward``, which refuses: the backward
+  has no derivative of its own (double backward), and an op without one would
+  otherwise give zero second derivatives with only a warning.
 
 Gradient conventions:
 
@@ -17,11 +23,9 @@ Gradient conventions:
   treated as a non-differentiable by-product, as in flash-attn: a gradient
   flowing into it is ignored (the backward never reads it).
 * The scalar and optional arguments (softmax_scale, causal, window, softcap,
-  alibi_slopes, dropout_p, rng_state) get no gradient.
-* The ``deterministic`` flag of the backward, for callers of the forward op
-  itself, is ``torch.are_deterministic_algorithms_enabled()`` at backward time.
-  flash_attn_func passes its own ``deterministic`` argument explicitly (see
-  flashattn_ext/interface.py).
+  alibi_slopes, dropout_p, rng_state, deterministic) get no gradient.
+* The forward op's ``deterministic`` argument is handed to the backward op;
+  the backward op also honours ``torch.use_deterministic_algorithms(True)``.
 """
 
 from __future__ import annotations
@@ -47,9 +51,9 @@ HAS_CUDA_KERNELS = has_kernel("attention_forward", "CUDA") and has_kernel("atten
 
 @torch.library.register_fake("flashattn_ext::attention_forward")
 def _attention_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                            alibi_slopes, dropout_p, rng_state):
+                            alibi_slopes, dropout_p, rng_state, deterministic=False):
     checks.check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
-                              require_aligned_head_dim=True)
+                              kernel_layout=True)
     # As allocate_forward_outputs() in csrc/attention_api.cpp: out has q's shape
     # but is always contiguous, whatever q's strides; lse is fp32 (b, h, sq).
     batch, seqlen_q, nheads, _ = q.shape
@@ -75,7 +79,7 @@ def _attention_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, win
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-     rng_state) = inputs
+     rng_state, deterministic) = inputs
     out, lse = output
     # alibi_slopes and rng_state are saved as tensors too (None is allowed):
     # the backward must see exactly the slopes and the dropout mask of the forward.
@@ -86,6 +90,7 @@ def _setup_context(ctx, inputs, output):
     ctx.window_right = window_right
     ctx.softcap = softcap
     ctx.dropout_p = dropout_p
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
 
 
@@ -114,10 +119,75 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
     dq, dk, dv = run_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
                               ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes,
-                              ctx.dropout_p, rng_state, torch.are_deterministic_algorithms_enabled())
-    # One entry per forward input: q, k, v, then None for the 8 non-differentiable ones.
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                              ctx.dropout_p, rng_state, ctx.deterministic)
+    # One entry per forward input: q, k, v, then None for the 9 non-differentiable ones.
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("flashattn_ext::attention_forward", _backward,
                                 setup_context=_setup_context)
+
+
+def _double_backward(ctx, *grads):
+    raise RuntimeError(
+        "flashattn_ext: double backward (differentiating the attention backward, e.g. a second "
+        "torch.autograd.grad through a gradient taken with create_graph=True) is not supported; "
+        "use torch.nn.functional.scaled_dot_product_attention's math backend for higher-order "
+        "gradients"
+    )
+
+
+torch.library.register_autograd("flashattn_ext::attention_backward", _double_backward)
+
+
+def _fold_into_batch(t: torch.Tensor, dim, size: int) -> torch.Tensor:
+    """t with the vmapped dimension ``dim`` (None: not vmapped) merged into dim 0."""
+    t = t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
+    return unit_stride_last_dim(t.reshape(size * t.size(1), *t.shape[2:]))
+
+
+def _fold_alibi_slopes(slopes, dim, size: int, batch: int):
+    """alibi_slopes for the folded batch: (nheads,) stays, anything else becomes
+    (size * batch, nheads)."""
+    if slopes is None or (dim is None and slopes.dim() == 1):
+        return slopes
+    slopes = slopes.movedim(dim, 0) if dim is not None else slopes.expand(size, *slopes.shape)
+    if slopes.dim() == 2:  # (size, nheads): one set per vmapped entry, shared by its batch
+        slopes = slopes[:, None].expand(size, batch, slopes.size(-1))
+    return slopes.reshape(size * batch, slopes.size(-1)).contiguous()
+
+
+def _check_rng_state_not_vmapped(dim) -> None:
+    if dim is not None:
+        raise RuntimeError("flashattn_ext: rng_state cannot be vmapped over: got a batched rng_state, "
+                           "expected one [seed, offset] for the whole call")
+
+
+@torch.library.register_vmap("flashattn_ext::attention_forward")
+def _attention_forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_left,
+                            window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                            deterministic=False):
+    size = info.batch_size
+    _check_rng_state_not_vmapped(in_dims[10])
+    q, k, v = (_fold_into_batch(t, d, size) for t, d in zip((q, k, v), in_dims[:3]))
+    batch = q.size(0) // size if size else 0
+    out, lse = attention_forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                 _fold_alibi_slopes(alibi_slopes, in_dims[8], size, batch),
+                                 dropout_p, rng_state, deterministic)
+    return (out.unflatten(0, (size, batch)), lse.unflatten(0, (size, batch))), (0, 0)
+
+
+@torch.library.register_vmap("flashattn_ext::attention_backward")
+def _attention_backward_vmap(info, in_dims, dout, q, k, v, out, lse, softmax_scale, causal,
+                             window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                             deterministic):
+    size = info.batch_size
+    _check_rng_state_not_vmapped(in_dims[13])
+    dout, q, k, v, out, lse = (_fold_into_batch(t, d, size)
+                               for t, d in zip((dout, q, k, v, out, lse), in_dims[:6]))
+    batch = q.size(0) // size if size else 0
+    grads = attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
+                               window_right, softcap,
+                               _fold_alibi_slopes(alibi_slopes, in_dims[11], size, batch),
+                               dropout_p, rng_state, deterministic)
+    return tuple(g.unflatten(0, (size, batch)) for g in grads), (0, 0, 0)

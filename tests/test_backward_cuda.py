@@ -207,6 +207,46 @@ def test_backward_through_autograd_matches_the_op():
         assert torch.equal(e, leaf.grad)
 
 
+def test_empty_inputs_backward_from_a_reduction():
+    # out.sum() hands the backward an expanded gradient with stride 0 everywhere.
+    for shape in ((0, 7, 2, 64), (2, 0, 2, 64), (2, 7, 0, 64)):
+        q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(shape[0], 9, shape[2], 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        flashattn_ext.flash_attn_func(q, k, k, causal=True).sum().backward()
+        assert q.grad.shape == q.shape and torch.all(q.grad == 0), shape
+        assert k.grad.shape == k.shape and torch.all(k.grad == 0), shape
+
+
+def test_strided_head_dim_is_copied_once():
+    q, k, v, dout = random_inputs(2, 300, 400, 4, 2, 64, torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    wide = [torch.randn(*t.shape[:-1], 2 * t.shape[-1], device="cuda", dtype=t.dtype) for t in (q, k, v)]
+    strided = []
+    for w, t in zip(wide, (q, k, v)):
+        w[..., ::2] = t.detach()
+        strided.append(w[..., ::2].requires_grad_(True))
+    for args in (leaves, strided):
+        flashattn_ext.flash_attn_func(*args, causal=True, deterministic=True).backward(dout)
+    for leaf, view in zip(leaves, strided):
+        assert torch.equal(leaf.grad, view.grad)
+
+
+def test_use_deterministic_algorithms_reaches_the_backward():
+    q, k, v, dout = random_inputs(2, 1024, 1024, 8, 2, 128, torch.bfloat16)
+    scale = 128 ** -0.5
+    out, lse = forward(q, k, v, scale, False, (-1, -1))
+    expected = backward(dout, q, k, v, out, lse, scale, False, (-1, -1), True)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(5):
+            got = backward(dout, q, k, v, out, lse, scale, False, (-1, -1), False)
+            for e, g in zip(expected, got):
+                assert torch.equal(e, g)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
 def test_backward_runs_on_the_current_stream():
     q, k, v, dout = random_inputs(2, 512, 512, 4, 4, 64, torch.bfloat16)
     scale = 0.125

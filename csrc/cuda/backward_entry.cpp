@@ -81,7 +81,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(FLASHATTN
                    out_16 = with_16_byte_rows(out), lse_c = lse.contiguous();
   AttentionBwdParams params =
       make_backward_params(dout_16, q_16, k_16, v_16, out_16, lse_c, dq, dk, dv, opts);
-  params.deterministic = deterministic;
+  // torch.use_deterministic_algorithms(True) asks every op for a reproducible result.
+  params.deterministic = deterministic || at::globalContext().deterministicAlgorithms();
   const BackwardLauncher launcher{params, q.options(), device_limits(q),
                                   c10::cuda::getCurrentCUDAStream().stream()};
   cudaError_t status = cudaSuccess;
