@@ -129,8 +129,9 @@ def build_shapes(args):
     return shapes
 
 
-def speedup_tables(rows, impls, modes):
-    """One table per (mode, causal): ours TFLOP/s and ours/peer per (headdim, seqlen)."""
+def speedup_tables(rows, impls, modes, device):
+    """One table per (mode, causal): ours' speed and ours/peer per (headdim, seqlen)."""
+    unit, per_unit = bc.flops_unit(device.type)
     peers = [i.name for i in impls if not i.is_ours]
     index = {(r["head_dim"], r["seqlen"], r["causal"], r["mode"], r["impl"]): r for r in rows}
     out = []
@@ -141,8 +142,8 @@ def speedup_tables(rows, impls, modes):
                 ours = index.get((d, n, causal, mode, "ours"))
                 if ours is None:
                     continue
-                line = {"d": d, "N": n, "ours TFLOP/s": ours["tflops"] if ours["status"] == bc.STATUS_OK
-                        else ours["status"]}
+                line = {"d": d, "N": n, f"ours {unit}": ours["tflops"] * 1e12 / per_unit
+                        if ours["status"] == bc.STATUS_OK else ours["status"]}
                 for peer in peers:
                     r = index.get((d, n, causal, mode, peer))
                     line[f"vs {peer}"] = (bc.ratio_cell(ours["tflops"], r["tflops"], r["status"],
@@ -150,12 +151,16 @@ def speedup_tables(rows, impls, modes):
                 table.append(line)
             if table:
                 out.append(bc.format_table(table, title=f"\n[{mode}, causal={causal}] "
-                                           "ours TFLOP/s and speedup = ours / peer (TFLOP/s ratio)"))
+                                           f"ours {unit} and speedup = ours / peer (speed ratio)"))
     return "".join(out)
 
 
-def plot(rows, impls, modes, out_dir, dtype_name):
+def plot(rows, impls, modes, out_dir, dtype_name, device):
+    """The paths of the plots written: none without matplotlib."""
     plt = bc.matplotlib_pyplot()
+    if plt is None:
+        return []
+    unit, per_unit = bc.flops_unit(device.type)
     paths = []
     for d in sorted({r["head_dim"] for r in rows}):
         causals = sorted({r["causal"] for r in rows if r["head_dim"] == d})
@@ -168,7 +173,7 @@ def plot(rows, impls, modes, out_dir, dtype_name):
                     pts = sorted((r["seqlen"], r["tflops"], r["status"]) for r in rows
                                  if r["head_dim"] == d and r["causal"] == causal
                                  and r["mode"] == mode and r["impl"] == impl.name)
-                    good = [(n, t) for n, t, s in pts if s == bc.STATUS_OK]
+                    good = [(n, t * 1e12 / per_unit) for n, t, s in pts if s == bc.STATUS_OK]
                     bad = sorted({s for _, _, s in pts if s != bc.STATUS_OK})
                     where = "every N" if not good else "some N"
                     label = impl.name + (f" ({'/'.join(bad)} at {where})" if bad else "")
@@ -182,7 +187,7 @@ def plot(rows, impls, modes, out_dir, dtype_name):
                 ax.xaxis.set_major_formatter(bc.plain_int_formatter())
                 ax.set_title(f"{mode}, causal={causal}, d={d}", fontsize=9)
                 ax.set_xlabel("seqlen")
-                ax.set_ylabel("TFLOP/s")
+                ax.set_ylabel(unit)
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=6)
         fig.suptitle(f"Attention {dtype_name}, batch*seqlen fixed, headdim {d}", fontsize=10)
@@ -288,12 +293,12 @@ def main(argv=None):
         bc.free_memory(device)
         save()
 
-    print(speedup_tables(rows, impls, args.modes))
+    print(speedup_tables(rows, impls, args.modes, device))
     failed_reasons = {(r["impl"], r["status"], r["reason"]) for r in rows
                       if r["status"] not in (bc.STATUS_OK, bc.STATUS_SKIPPED)}
     for impl, status, reason in sorted(failed_reasons):
         print(f"note: {impl} {status}: {reason}")
-    plots = plot(rows, impls, args.modes, out_dir, args.dtype)
+    plots = plot(rows, impls, args.modes, out_dir, args.dtype, device)
     summary = summarize(rows, impls, args.modes)
     save(final=True, summary=summary, plots=plots)
     print(f"wrote {out_dir}/attention_speed.csv, .json and {len(plots)} plot(s)")

@@ -62,12 +62,25 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_out: str) -> Non
                              "recorded as skipped (keeps run_all.sh inside its GPU budget)")
 
 
+DRY_RUN_NOTE = ("DRY RUN on cpu: tiny sizes that only show the harness works; its speeds and "
+                "memory figures say nothing about the kernels (those need --device cuda)")
+
+
 def resolve_device(name: str) -> torch.device:
+    """The device to benchmark on; on the cpu, says once (on stderr) that this is a dry run."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda was asked for but torch.cuda.is_available() is False")
+    if name == "cpu":
+        print(DRY_RUN_NOTE, file=sys.stderr, flush=True)
     return torch.device(name)
+
+
+def flops_unit(device_type: str) -> tuple[str, float]:
+    """(label, FLOP/s per unit) for showing speeds: the cpu's dry-run sizes would print as
+    0 TFLOP/s, so GFLOP/s there."""
+    return ("TFLOP/s", 1e12) if device_type == "cuda" else ("GFLOP/s", 1e9)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -113,9 +126,10 @@ def import_ours(device: torch.device | None = None):
         import flashattn_ext  # noqa: F401
     except Exception as exc:  # ImportError, or a broken build raising OSError
         raise SystemExit(
-            f"cannot import flashattn_ext ({type(exc).__name__}: {exc}).\n"
-            f"Build it first: pip install --no-build-isolation -e {REPO_ROOT}  "
-            f"(or python setup.py build_ext --inplace in {REPO_ROOT})") from exc
+            f"cannot import flashattn_ext with {sys.executable} ({type(exc).__name__}: {exc}).\n"
+            f"Install it first (bash {REPO_ROOT}/tools/setup_env.sh, then run the benchmarks "
+            f"with {REPO_ROOT}/.venv/bin/python), or build it in place "
+            f"(python setup.py build_ext --inplace in {REPO_ROOT})") from exc
     for op in ("attention_forward", "attention_backward"):
         if not hasattr(torch.ops.flashattn_ext, op):
             raise SystemExit(f"flashattn_ext imported but torch.ops.flashattn_ext.{op} is missing")
@@ -748,15 +762,14 @@ def result_document(kind: str, args, device, rows, **extra) -> dict[str, Any]:
     return doc
 
 
-def progress(iterable, total: int | None = None, desc: str = ""):
-    """tqdm on stderr when installed (a plain iterator otherwise, so a missing tqdm never
-    stops a benchmark)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True,
-                mininterval=2.0)
+def progress(items: Sequence, desc: str):
+    """Yields the items, first printing one line per item on stderr: its number and the
+    time elapsed, flushed, so a long run shows where it is in a terminal and a log alike."""
+    start = time.monotonic()
+    for i, item in enumerate(items, 1):
+        print(f"{desc}: {i}/{len(items)}, {time.monotonic() - start:.0f} s elapsed",
+              file=sys.stderr, flush=True)
+        yield item
 
 
 def plain_int_formatter():
@@ -766,7 +779,14 @@ def plain_int_formatter():
 
 
 def matplotlib_pyplot():
-    import matplotlib
+    """matplotlib.pyplot, or None (saying so) when matplotlib is not installed: the setup
+    does not install it, and the tables and files do not need it."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install '.[bench]' installs it)",
+              flush=True)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

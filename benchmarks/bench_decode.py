@@ -75,7 +75,10 @@ def time_decode(impl, sets, shape, device, tcfg):
 
 
 def plot(rows, copy_gbps, out_dir):
+    """The paths of the plots written: none without matplotlib."""
     plt = bc.matplotlib_pyplot()
+    if plt is None:
+        return []
     kv_heads = sorted({r["nheads_kv"] for r in rows}, reverse=True)
     batches = sorted({r["batch"] for r in rows})
     impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -108,7 +111,7 @@ def plot(rows, copy_gbps, out_dir):
     path = out_dir / "decode_bandwidth.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
-    return str(path)
+    return [str(path)]
 
 
 def main(argv=None):
@@ -195,14 +198,14 @@ def main(argv=None):
         table.append(line)
     print(bc.format_table(table, title=f"\nDecoding, d={args.head_dim}, {args.nheads} query heads; "
                           f"copy bandwidth {copy_gbps:.0f} GB/s"))
-    plot_path = plot(rows, copy_gbps, out_dir)
+    plots = plot(rows, copy_gbps, out_dir)
     ok = [r for r in rows if r["impl"] == "ours" and r["status"] == bc.STATUS_OK]
     summary = {"copy_bandwidth_gbps": copy_gbps,
                "ours_max_kv_gbps": max((r["kv_gbps"] for r in ok), default=None),
                "ours_max_fraction_of_copy_bw": max((r["fraction_of_copy_bw"] for r in ok),
                                                    default=None)}
-    save(final=True, summary=summary, plots=[plot_path])
-    print(f"wrote {out_dir}/decode.csv, .json, {plot_path}")
+    save(final=True, summary=summary, plots=plots)
+    print(f"wrote {out_dir}/decode.csv, .json and {len(plots)} plot(s)")
     return bc.ours_exit_code(rows, checks)
 
 

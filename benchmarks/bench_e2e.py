@@ -7,8 +7,8 @@
 
 Both are built from a config with random weights (nothing is downloaded), fp32 master
 weights with bf16 autocast, fused AdamW, dropout off (so all implementations do the same
-work). Ours is registered through transformers' attention interface
-(AttentionInterface.register) and selected with attn_implementation=...; the same model
+work). Ours is the package's transformers integration (flashattn_ext.integrations.
+transformers.register(), which also handles padding) selected with attn_implementation=...; the same model
 runs with "eager" (materialised scores) and "sdpa" (torch's dispatcher: FlashAttention-2
 or cuDNN on this GPU). Reported: tokens/s of optimizer steps, peak memory, and the loss
 of the first step, which must agree across implementations (same seed, same weights).
@@ -31,40 +31,34 @@ import torch.nn.functional as F
 
 import bench_common as bc
 
-# The name ours is registered under. Not "flashattn_ext": transformers treats any
-# implementation name containing "flash" as a flash-attn kernel to import and fails.
-HF_ATTENTION_NAME = "fa_ext"
-IMPLS = {"ours": HF_ATTENTION_NAME, "sdpa": "sdpa", "eager": "eager"}
-ATTENTION_CALLS = {"count": 0}   # proves the registered function is what ran
+IMPLS = {"ours": None, "sdpa": "sdpa", "eager": "eager"}   # ours: the name register() returns
+ATTENTION_CALLS = {"count": 0}   # proves ours is what ran
 
 
-def ours_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      is_causal=None, **kwargs):
-    """transformers attention-interface function: query/key/value (batch, heads, seq, dim),
-    returns (attn_output (batch, seq, heads, dim), attn_weights=None)."""
-    import flashattn_ext
-
-    if attention_mask is not None:
-        # No mask function is registered for this name, so transformers passes None for an
-        # unpadded batch; a real mask (padding) is not supported and must not be ignored.
-        raise ValueError("ours: attention masks (padding) are not supported by this adapter")
-    for name in ("sliding_window", "softcap"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"ours adapter: {name} is not wired up")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    is_causal = bool(is_causal) and query.shape[2] > 1
-    ATTENTION_CALLS["count"] += 1
-    # Transposed views, no copy: the kernels take any strides but the last.
-    out = flashattn_ext.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
-                                        value.transpose(1, 2), dropout_p=dropout,
-                                        softmax_scale=scaling, causal=is_causal)
-    return out, None
+def counted(fn):
+    """fn, counting its calls in ATTENTION_CALLS."""
+    def wrapper(*args, **kwargs):
+        ATTENTION_CALLS["count"] += 1
+        return fn(*args, **kwargs)
+    return wrapper
 
 
-def check_adapter(device) -> list[dict]:
-    """The adapter against transformers' own sdpa attention function, called the way the
-    models call it (module, q, k, v in (batch, heads, seq, dim), mask None, scaling), causal
+def register_ours():
+    """Ours through the package's transformers integration, its attention function
+    wrapped in the call counter; fills in IMPLS["ours"]."""
+    from transformers import AttentionInterface
+    import flashattn_ext.integrations.transformers as fa_hf
+
+    name = fa_hf.register()
+    AttentionInterface.register(name, counted(fa_hf.attention_forward))
+    IMPLS["ours"] = name
+    return fa_hf.attention_forward
+
+
+def check_integration(ours_fn, device) -> list[dict]:
+    """The integration's attention function against transformers' own sdpa attention
+    function, called the way the models call it (module, q, k, v in (batch, heads, seq,
+    dim), mask None, scaling), causal
     and not: a layout or causality mistake in the wiring shows here at O(1), where a
     training loss from random weights would hide it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -76,12 +70,12 @@ def check_adapter(device) -> list[dict]:
         module = nn.Module()
         module.is_causal = causal
         q, k, v = (bc.random_tensor((2, 4, 128, 64), torch.bfloat16, device, gen) for _ in range(3))
-        ours = ours_hf_attention(module, q, k, v, None, scaling=0.125)[0]
+        ours = ours_fn(module, q, k, v, None, scaling=0.125)[0]
         ref = sdpa_fn(module, q, k, v, None, scaling=0.125)[0]
         diff = (ours.float() - ref.float()).abs().max().item()
-        results.append(dict(check="adapter vs transformers sdpa", causal=causal,
+        results.append(dict(check="integration vs transformers sdpa", causal=causal,
                             max_abs_diff=diff, passed=diff < 2e-2))
-        print(f"check adapter causal={causal}: max|ours - transformers sdpa| = {diff:.2e} "
+        print(f"check integration causal={causal}: max|ours - transformers sdpa| = {diff:.2e} "
               f"{'ok' if diff < 2e-2 else 'FAILED'}")
     return results
 
@@ -113,7 +107,10 @@ class FallbackBlock(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         scale = (h // self.heads) ** -0.5
         if self.impl == "ours":
-            attn = ours_hf_attention(self, q, k, v, None, scaling=scale, is_causal=self.causal)[0]
+            import flashattn_ext
+            ATTENTION_CALLS["count"] += 1
+            attn = flashattn_ext.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                 softmax_scale=scale, causal=self.causal)
         elif self.impl == "sdpa":
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=scale).transpose(1, 2)
         else:
@@ -269,9 +266,7 @@ def main(argv=None):
     use_hf = not args.no_transformers and transformers_available()
     checks = []
     if use_hf:
-        from transformers import AttentionInterface
-        AttentionInterface.register(HF_ATTENTION_NAME, ours_hf_attention)
-        checks += check_adapter(device)
+        checks += check_integration(register_ours(), device)
     model_source = (f"transformers {__import__('transformers').__version__}" if use_hf
                     else "self-written fallback models (transformers not used)")
     gpt_shape, bert_shape = model_shapes(args, device)
@@ -321,7 +316,7 @@ def main(argv=None):
                           "AdamW, dropout off; ours speedup = ours tokens/s / impl tokens/s"))
     for c in checks:
         if "model" not in c:
-            continue   # the adapter checks were printed when they ran
+            continue   # the integration checks were printed when they ran
         print(f"check {c['model']} seq {c['seqlen']}: first loss ours {c['first_loss_ours']:.4f} vs "
               f"{c['ref']} {c['first_loss_ref']:.4f} {'ok' if c['passed'] else 'FAILED'}")
     summary = {f"{r['model']}_seq{r['seqlen']}_vs_{r['impl']}": r["ours_speedup"]

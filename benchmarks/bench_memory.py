@@ -46,7 +46,10 @@ def apply_defaults(args, device):
 
 
 def plot(rows, out_dir, title):
+    """The paths of the plots written: none without matplotlib."""
     plt = bc.matplotlib_pyplot()
+    if plt is None:
+        return []
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     colors = {}
@@ -84,7 +87,7 @@ def plot(rows, out_dir, title):
     path = out_dir / "memory_vs_seqlen.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
-    return str(path)
+    return [str(path)]
 
 
 def rows_status(rows, name):
@@ -153,14 +156,14 @@ def main(argv=None):
     title = (f"fwd+bwd peak memory above inputs and activations saved for backward; "
              f"batch {args.batch}, {args.nheads} heads, d={args.head_dim}, causal={args.causal}, {args.dtype}")
     print(bc.format_table(table, title="\n" + title))
-    plot_path = plot(rows, out_dir, title.replace("; ", ";\n", 1))
+    plots = plot(rows, out_dir, title.replace("; ", ";\n", 1))
     ours_ok = [r for r in rows if r["impl"] == "ours" and r["status"] == bc.STATUS_OK]
     summary = {"ours_max_seqlen": max((r["seqlen"] for r in ours_ok), default=None),
                "ours_peak_at_max_seqlen": ours_ok[-1]["peak_bytes"] if ours_ok else None,
                "first_oom": {name: n for name, n in failed_from.items()}}
     bc.write_json(bc.result_document("memory", args, device, rows, summary=summary,
-                                     plots=[plot_path], complete=True), out_dir / "memory.json")
-    print(f"wrote {out_dir}/memory.csv, .json, {plot_path}")
+                                     plots=plots, complete=True), out_dir / "memory.json")
+    print(f"wrote {out_dir}/memory.csv, .json and {len(plots)} plot(s)")
     return bc.ours_exit_code(rows)
 
 

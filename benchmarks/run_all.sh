@@ -10,13 +10,21 @@
 # 600 s per command). A failing step does not stop the others; the exit status is
 # non-zero if any step failed.
 #
-# Environment: PYTHON (default python, else python3), DEVICE (auto|cuda|cpu; cpu = tiny dry run),
+# Environment: PYTHON (default .venv/bin/python when it exists, else python, else python3), DEVICE (auto|cuda|cpu; cpu = tiny dry run),
 # RUN_ALL_BUDGET_S, RUN_ALL_STEPS (space-separated subset of the step names below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT_DIR="${1:-${OUT:-benchmarks/results}}"
-PY="${PYTHON:-$(command -v python || command -v python3)}"
+# The venv of tools/setup_env.sh (the README's setup) when there is one: a python on
+# PATH need not be the one flashattn_ext is installed into.
+if [ -n "${PYTHON:-}" ]; then
+    PY="$PYTHON"
+elif [ -x "${FLASHATTN_VENV:-.venv}/bin/python" ]; then
+    PY="${FLASHATTN_VENV:-.venv}/bin/python"
+else
+    PY="$(command -v python || command -v python3)"
+fi
 DEVICE="${DEVICE:-auto}"
 BUDGET_S="${RUN_ALL_BUDGET_S:-540}"
 STEPS="${RUN_ALL_STEPS:-attention decode memory hbm recompute e2e}"
@@ -27,21 +35,23 @@ export PYTHONUNBUFFERED=1
 START=$(date +%s)
 
 # Fail in seconds, not minutes, when the extension is not built (or built without CUDA).
-if ! "$PY" - "$DEVICE" > "$LOGS/preflight.log" 2>&1 <<'PYEOF'
+if ! "$PY" - "$DEVICE" "$OUT_DIR" > "$LOGS/preflight.log" 2>&1 <<'PYEOF'
 import sys
-sys.path.insert(0, "benchmarks")
+# In place of the working directory (the repository root, which `python -` puts first):
+# there, flashattn_ext/ is the source tree, not the installed package with its library.
+sys.path[0] = "benchmarks"
+from pathlib import Path
 import bench_common as bc
 device = bc.resolve_device(sys.argv[1])
 bc.import_ours(device)
-import json
-print(json.dumps(bc.environment_info(device), indent=1))
+bc.write_json(bc.environment_info(device), Path(sys.argv[2]) / "environment.json")
 PYEOF
 then
     cat "$LOGS/preflight.log"
-    echo "preflight failed: flashattn_ext is not importable for device=$DEVICE (log: $LOGS/preflight.log)"
+    echo "preflight failed: flashattn_ext is not importable by $PY for device=$DEVICE (log: $LOGS/preflight.log)"
     exit 1
 fi
-cp "$LOGS/preflight.log" "$OUT_DIR/environment.json"
+cat "$LOGS/preflight.log"   # the dry-run note, on the cpu
 command -v nvidia-smi > /dev/null && nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1
 
 FAILED=0

@@ -27,10 +27,12 @@ def fmt(x, spec=".2f", suffix=""):
 
 def attention_lines(doc):
     lines = []
+    unit, per_unit = bc.flops_unit((doc.get("environment") or {}).get("device", "cuda"))
     for mode, s in (doc.get("summary") or {}).items():
+        best = s.get("ours_max_tflops")
         peers = ", ".join(f"{k.removeprefix('geomean_speedup_vs_')} {fmt(v, '.2f', 'x')}"
                           for k, v in s.items() if k.startswith("geomean_speedup_vs_"))
-        lines.append(("kernel speed", f"{mode}: ours up to {fmt(s.get('ours_max_tflops'), '.0f')} TFLOP/s; "
+        lines.append(("kernel speed", f"{mode}: ours up to {fmt(best and best * 1e12 / per_unit, '.3g')} {unit}; "
                       f"geomean speedup vs {peers}"
                       + (f"; ours not ok on {s['ours_not_ok']} shapes" if s.get("ours_not_ok") else "")))
     rows = doc.get("rows", [])
@@ -121,6 +123,8 @@ def main(argv=None):
         lines += fn(doc)
     steps = (out_dir / "logs" / "steps.txt")
     text = ["# Benchmark summary", ""]
+    if env and env.get("device") == "cpu":
+        text.append(f"- {bc.DRY_RUN_NOTE}")
     if env:
         text.append(f"- date {env.get('date_utc')}, GPU {env.get('gpu', env.get('device'))}, driver "
                     f"{env.get('driver')}, torch {env.get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN "

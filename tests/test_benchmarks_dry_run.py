@@ -1,0 +1,42 @@
+"""The benchmarks after the README's setup (installed package, no matplotlib): a tiny
+cpu dry run of bench_attention.py and run_all.sh's preflight, in subprocesses."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run(cmd, tmp_path, **env):
+    # A matplotlib that fails to import stands in for one not installed, whatever this
+    # environment has.
+    blocker = tmp_path / "no_matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib blocked by the test')\n")
+    env = dict(os.environ, PYTHONPATH=str(blocker.parent), PYTHON=sys.executable, **env)
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_bench_attention_cpu_dry_run_without_matplotlib(tmp_path):
+    proc = run([sys.executable, "benchmarks/bench_attention.py", "--quick", "--device", "cpu",
+                "--head-dims", "32", "--seqlens", "64", "--causal", "false", "--modes", "fwd",
+                "--impls", "ours", "sdpa_math", "--out", str(tmp_path / "out")], tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "DRY RUN on cpu" in output
+    assert "attention shapes: 1/1, 0 s elapsed" in output      # the progress line
+    assert "ours GFLOP/s" in output and "TFLOP/s" not in output
+    assert "plots skipped: matplotlib is not installed" in output
+    assert (tmp_path / "out" / "attention_speed.json").is_file()
+
+
+def test_run_all_preflight_finds_the_installed_package(tmp_path):
+    # No step named "none": the preflight and the summary alone.
+    proc = run(["bash", "benchmarks/run_all.sh", str(tmp_path / "out")], tmp_path,
+               DEVICE="cpu", RUN_ALL_STEPS="none")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "DRY RUN on cpu" in output
+    assert (tmp_path / "out" / "environment.json").read_text().startswith("{")

@@ -1,0 +1,136 @@
+"""flashattn_ext.integrations.transformers against transformers' own attention
+implementations, on tiny randomly initialised models (CPU, fp32): padded and packed
+batches, GQA, sliding window + softcap, training steps, dropout."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+fa_hf = pytest.importorskip("flashattn_ext.integrations.transformers")
+
+NAME = fa_hf.register()
+VOCAB, SEQ = 128, 12
+
+
+def llama_config(**overrides):
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **overrides)
+
+
+def model_pair(config, reference="sdpa", cls=transformers.LlamaForCausalLM):
+    """The same random weights under the reference implementation and ours. Each model
+    gets its own config: _from_config writes the implementation name into the one given."""
+    torch.manual_seed(0)
+    ref = cls._from_config(copy.deepcopy(config), attn_implementation=reference)
+    ours = cls._from_config(copy.deepcopy(config), attn_implementation=NAME)
+    ours.load_state_dict(ref.state_dict())
+    assert (ref.config._attn_implementation, ours.config._attn_implementation) == (reference, NAME)
+    return ref.eval(), ours.eval()
+
+
+def padded_batch(kind):
+    """Token ids (3, SEQ) and a padding mask: row 0 padded by 4 on the `kind` side, row 1
+    by 7, row 2 not at all."""
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, SEQ, dtype=torch.long)
+    for row, pad in ((0, 4), (1, 7)):
+        if kind == "left":
+            mask[row, :pad] = 0
+        else:
+            mask[row, SEQ - pad:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["left", "right"])
+def test_padded_batch_matches_sdpa_on_valid_tokens(kind):
+    ref, ours = model_pair(llama_config())
+    ids, mask = padded_batch(kind)
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_unpadded_gqa_causal_batch_matches_sdpa():
+    ref, ours = model_pair(llama_config())
+    ids, _ = padded_batch("left")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_packed_sequences_from_position_ids_match_sdpa():
+    # Three sequences in one row, as padding-free collators pack them; sdpa applies the
+    # packing only without a cache, hence use_cache=False on both.
+    ref, ours = model_pair(llama_config())
+    ids, _ = padded_batch("left")
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = ref(input_ids=ids[:1], position_ids=position_ids, use_cache=False).logits
+        got = ours(input_ids=ids[:1], position_ids=position_ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_and_softcap_match_eager():
+    # Gemma 2: alternating sliding-window (3 keys) and full layers, logit softcapping (small
+    # enough to bend the scores of a random init),
+    # which sdpa refuses; eager applies both through its dense mask.
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        sliding_window=3, attn_logit_softcapping=0.05, query_pre_attn_scalar=16)
+    ref, ours = model_pair(config, reference="eager", cls=transformers.Gemma2ForCausalLM)
+    ids, mask = padded_batch("left")
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_training_steps_match_sdpa():
+    """AdamW steps on a padded batch from identical weights: the losses stay equal, so
+    ours' backward (through the gathered and scattered rows too) matches sdpa's."""
+    ids, mask = padded_batch("left")
+    labels = ids.masked_fill(mask == 0, -100)
+    losses = {}
+    for model in model_pair(llama_config()):
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[model.config._attn_implementation] = []
+        for _ in range(5):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[model.config._attn_implementation].append(loss.item())
+    assert losses["sdpa"][-1] < losses["sdpa"][0] - 0.1   # the steps did train
+    torch.testing.assert_close(losses[NAME], losses["sdpa"], atol=1e-4, rtol=1e-5)
+
+
+def test_attention_dropout_in_training_raises_and_eval_runs():
+    _, ours = model_pair(llama_config(attention_dropout=0.1))
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        ours(input_ids=ids, attention_mask=mask)   # eval mode: transformers passes dropout 0
+        ours.train()
+        with pytest.raises(NotImplementedError, match="dropout"):
+            ours(input_ids=ids, attention_mask=mask)
+
+
+def test_dense_4d_mask_is_refused():
+    _, ours = model_pair(llama_config())
+    ids, _ = padded_batch("left")
+    dense = torch.ones(3, 1, SEQ, SEQ, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match=r"attention_mask must be a 2-D padding mask .* got shape \(3, 1, 12, 12\)"):
+        ours(input_ids=ids, attention_mask=dense)
+
+
+@pytest.mark.parametrize("name", ["flash_ext", "my sdpa", "", 3])
+def test_register_refuses_names_transformers_dispatches_on(name):
+    with pytest.raises(ValueError, match=r"register\(name\).* got " + repr(name).replace("(", r"\(")):
+        fa_hf.register(name)
