@@ -18,8 +18,8 @@ flash_attention_2 path (the semantics models written for it rely on):
   left or right). Each row's valid tokens are attended among themselves, causal in
   their order (bottom-right aligned when the query is shorter than the keys, as in
   decoding); the output at padded query positions is 0;
-* sequences packed into one row: ``position_ids`` restarting at 0 (or anywhere they do
-  not continue by +1) without a padding mask, or the ``cu_seq_lens_q/k`` and
+* sequences packed into one row: in a batch of one row, ``position_ids`` restarting at 0
+  (or anywhere they do not continue by +1) without a padding mask; or the ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` keyword arguments of padding-free collators: each sequence is
   attended separately;
 * ``sliding_window`` (a window of that many keys including the query's own, as
@@ -150,9 +150,11 @@ def _unpad_indices(mask):
 def _packed_sequence_starts(position_ids, batch, q_len, key_length):
     """(batch, q_len) bool, True where a packed sequence starts, when position_ids show
     several sequences in a row (a position that does not continue the previous one by 1,
-    transformers' own packing rule); None for one sequence per row. Only without a cache
+    transformers' own packing rule); None for one sequence per row. As transformers'
+    flash_attention_2, only for a batch of one row (packing collators emit one; looking at
+    every batch would cost a device synchronisation per layer) and without a cache
     (q_len == key_length): a query chunk's positions say nothing about the cached keys."""
-    if position_ids is None or q_len != key_length or q_len < 2:
+    if position_ids is None or batch != 1 or q_len != key_length or q_len < 2:
         return None
     positions = position_ids.expand(batch, -1)
     starts = F.pad(positions.diff(dim=1) != 1, (1, 0), value=True)
