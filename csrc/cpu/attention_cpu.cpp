@@ -25,7 +25,8 @@
 // Precision: fp32, bf16 and fp16 compute in fp32, fp64 in fp64. The schema
 // stores lse in fp32, which would cost fp64 gradients ~5e-7 relative error, so
 // the fp64 backward recomputes each row's lse in fp64 (one extra S per block in
-// pass 1) and ignores the lse it is given.
+// pass 1) and ignores the lse it is given. dk and dv, long sums over query rows,
+// add up their per-query-block products in fp64 (see dkdv_pass).
 //
 // Scores are kept in log2 units (log2(e) * score, as FlashAttention does) so
 // that the softmax runs on exp2, which ATen's vectorised kernels compute about
@@ -397,17 +398,26 @@ void score_gradient(const Problem<acc_t>& pb, at::Tensor& dprobs, const at::Tens
   if (pb.capped()) dprobs.mul_(tanh_scores.mul_(tanh_scores).neg_().add_(1));
 }
 
+// wide += part, elementwise, for contiguous blocks of one shape: a loop the
+// compiler vectorises, which costs the backward 3% where a mixed-dtype
+// at::add_ cost 6%.
+template <typename acc_t>
+void add_to_fp64(const at::Tensor& wide, const at::Tensor& part) {
+  double* const sum = wide.data_ptr<double>();
+  const acc_t* const term = part.data_ptr<acc_t>();
+  for (int64_t i = 0, n = part.numel(); i < n; ++i) sum[i] += term[i];
+}
+
 // Per-thread scratch of the backward passes.
 struct BackwardScratch {
-  at::Tensor q, k, v, dout, acc_a, acc_b, scores, tanh_scores, dprobs;
+  at::Tensor q, k, v, dout, acc, scores, tanh_scores, dprobs;
 
   BackwardScratch(const at::TensorOptions& opts, int64_t d)
       : q(at::empty({kBlockQ * d}, opts)),
         k(at::empty({kBlockK * d}, opts)),
         v(at::empty({kBlockK * d}, opts)),
         dout(at::empty({kBlockQ * d}, opts)),
-        acc_a(at::empty({std::max(kBlockQ, kBlockK) * d}, opts)),
-        acc_b(at::empty({std::max(kBlockQ, kBlockK) * d}, opts)),
+        acc(at::empty({std::max(kBlockQ, kBlockK) * d}, opts)),
         scores(at::empty({kBlockQ * kBlockK}, opts)),
         tanh_scores(at::empty({kBlockQ * kBlockK}, opts)),
         dprobs(at::empty({kBlockQ * kBlockK}, opts)) {}
@@ -449,7 +459,7 @@ void dq_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tensor&
         at::mul_out(block_lse_log2, lse[t.b][t.h].narrow(0, t.i0, t.rows), M_LOG2E);
       }
 
-      at::Tensor dq_acc = block_of(scratch.acc_a, t.rows, d).zero_();
+      at::Tensor dq_acc = block_of(scratch.acc, t.rows, d).zero_();
       for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
         const at::Tensor k_rows = in_acc_dtype(head_rows(k, t.b, kv_head, j0, cols), scratch.k);
         const at::Tensor v_rows = in_acc_dtype(head_rows(v, t.b, kv_head, j0, cols), scratch.v);
@@ -471,6 +481,16 @@ void dq_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tensor&
 // Backward pass 2: per (batch, kv head, key block), dk and dv summed over the
 // kv head's query-head group. Tasks go in key-block order, heaviest first under
 // causal masking (early keys are seen by most queries).
+//
+// A key's dk and dv are sums over up to group_size * seqlen_q query rows whose
+// terms are not normalised (unlike dq's, whose weights are one row of P), so
+// the sums grow like a random walk. Added block after block into one fp32
+// accumulator, every addition rounded at the running sum's size: with
+// thousands of rows against a few keys (GQA) the error reached 4-25x PyTorch's
+// fp32 error. So each query block's product (a BLAS sum of kBlockQ rows) goes
+// into an fp64 accumulator, whose own rounding is negligible at any length.
+// fp32 partials of 4 or 8 blocks each, added in fp64, were still up to 3.5x
+// PyTorch's error on one key seen by 16384 rows.
 template <typename acc_t>
 void dkdv_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tensor& q,
                const at::Tensor& k, const at::Tensor& v, const at::Tensor& row_lse_log2,
@@ -480,6 +500,9 @@ void dkdv_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tenso
   const int64_t num_tasks = ceil_div(pb.seqlen_k, kBlockK) * num_kv_heads;
   run_tasks(num_tasks, [&](const auto& next_task) {
     BackwardScratch scratch(pb.acc_options, d);
+    const at::TensorOptions wide_options = pb.acc_options.dtype(at::kDouble);
+    const at::Tensor dk_scratch = at::empty({kBlockK * d}, wide_options);
+    const at::Tensor dv_scratch = at::empty({kBlockK * d}, wide_options);
 
     for (int64_t task; next_task(task);) {
       const int64_t b = task % num_kv_heads / pb.nheads_kv;
@@ -488,8 +511,9 @@ void dkdv_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tenso
       const int64_t cols = std::min(kBlockK, pb.seqlen_k - j0);
       const at::Tensor k_rows = in_acc_dtype(head_rows(k, b, kv_head, j0, cols), scratch.k);
       const at::Tensor v_rows = in_acc_dtype(head_rows(v, b, kv_head, j0, cols), scratch.v);
-      at::Tensor dk_acc = block_of(scratch.acc_a, cols, d).zero_();
-      at::Tensor dv_acc = block_of(scratch.acc_b, cols, d).zero_();
+      at::Tensor dk_acc = block_of(dk_scratch, cols, d).zero_();
+      at::Tensor dv_acc = block_of(dv_scratch, cols, d).zero_();
+      at::Tensor block_product = block_of(scratch.acc, cols, d);
 
       for (int64_t h = kv_head * pb.group_size(); h < (kv_head + 1) * pb.group_size(); ++h) {
         for_each_query_block(pb, j0, cols, [&](int64_t i0, int64_t rows) {
@@ -500,11 +524,11 @@ void dkdv_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tenso
           at::Tensor tanh_scores = block_of(scratch.tanh_scores, rows, cols);
           compute_scores(pb, q_scaled, k_rows, b, h, i0, j0, probs, &tanh_scores);
           probabilities_from_scores(probs, row_lse_log2[b][h].narrow(0, i0, rows));
-          dv_acc.addmm_(probs.t(), dout_rows);
+          add_to_fp64<acc_t>(dv_acc, at::mm_out(block_product, probs.t(), dout_rows));
           at::Tensor dprobs = block_of(scratch.dprobs, rows, cols);
           at::mm_out(dprobs, dout_rows, v_rows.t());
           score_gradient(pb, dprobs, probs, row_delta[b][h].narrow(0, i0, rows), tanh_scores);
-          dk_acc.addmm_(dprobs.t(), q_scaled);
+          add_to_fp64<acc_t>(dk_acc, at::mm_out(block_product, dprobs.t(), q_scaled));
         });
       }
       head_rows(dk, b, kv_head, j0, cols).copy_(dk_acc.mul_(pb.dk_scale));
