@@ -1,5 +1,7 @@
-"""Packaging: the import errors of a missing or mismatched extension."""
+"""Packaging: the import errors of a missing or mismatched extension, setup.py's
+choice of a CUDA or CPU-only build, and what the build prints."""
 
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -75,3 +77,63 @@ def test_extension_message_names_undefined_symbols_and_keeps_other_errors(tmp_pa
     other = ImportError("_C.so: ELF load command address/offset not properly aligned")
     assert flashattn_ext._extension_import_error(other, str(package)) == (
         f"flashattn_ext: loading the compiled extension _C in {package} failed: {other}")
+
+
+@pytest.fixture(scope="module")
+def setup_py():
+    spec = importlib.util.spec_from_file_location("flashattn_ext_setup", REPO_ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOOLKIT = "/usr/local/cuda-13.0"
+TORCH_VERSION = "2.13.0+cpu"
+
+
+@pytest.mark.parametrize("skip, force, toolkit, torch_cuda, expected", [
+    (False, False, TOOLKIT, "13.0", TOOLKIT),
+    (False, True, TOOLKIT, "13.0", TOOLKIT),
+    (True, False, None, "13.0", "FLASHATTN_SKIP_CUDA is set"),
+    (False, False, None, "13.0", "no CUDA toolkit was found (set CUDA_HOME to use one)"),
+    (False, False, None, None, "no CUDA toolkit was found (set CUDA_HOME to use one)"),
+    # A CPU-only torch cannot compile CUDA code: its cpp_extension has no CUDA_HOME.
+    (False, False, TOOLKIT, None, f"torch {TORCH_VERSION} is a CPU-only build, so the CUDA toolkit at {TOOLKIT} "
+                                  "is not used"),
+])
+def test_cuda_build_choice(setup_py, skip, force, toolkit, torch_cuda, expected):
+    cuda_home, cpu_only_reason = setup_py.cuda_toolkit_for_build(skip, force, toolkit, TORCH_VERSION,
+                                                                 torch_cuda)
+    if expected == TOOLKIT:
+        assert (cuda_home, cpu_only_reason) == (TOOLKIT, None)
+    else:
+        assert cuda_home is None and cpu_only_reason.startswith(expected), cpu_only_reason
+
+
+@pytest.mark.parametrize("skip, toolkit, torch_cuda, expected", [
+    (True, None, "13.0", "FLASHATTN_SKIP_CUDA and FLASHATTN_FORCE_CUDA are both set; unset one"),
+    (False, None, "13.0", "FLASHATTN_FORCE_CUDA=1 but no CUDA toolkit was found; set CUDA_HOME"),
+    (False, TOOLKIT, None, f"FLASHATTN_FORCE_CUDA=1 but torch {TORCH_VERSION} is a CPU-only build"),
+])
+def test_forced_cuda_build_that_cannot_be_met_exits(setup_py, skip, toolkit, torch_cuda, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        setup_py.cuda_toolkit_for_build(skip, True, toolkit, TORCH_VERSION, torch_cuda)
+    assert str(exit_info.value.code).startswith(f"flashattn_ext: {expected}"), exit_info.value.code
+    if torch_cuda is None:
+        assert "install a CUDA build of torch" in exit_info.value.code
+
+
+def test_setup_py_outside_the_build_prints_and_writes_nothing(tmp_path):
+    # pip runs setup.py once for the metadata and again for the build: the build
+    # messages (and the generated header) belong to the build alone.
+    shutil.copy(REPO_ROOT / "setup.py", tmp_path / "setup.py")
+    (tmp_path / "csrc").mkdir()
+    shutil.copy(REPO_ROOT / "csrc" / "SOURCES.txt", tmp_path / "csrc" / "SOURCES.txt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHATTN_")}
+    env["FLASHATTN_SKIP_CUDA"] = "1"
+    result = subprocess.run([sys.executable, "setup.py", "--version"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == flashattn_ext.__version__
+    assert "flashattn_ext:" not in result.stdout + result.stderr
+    assert not (tmp_path / "build").exists()
