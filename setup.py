@@ -1,7 +1,8 @@
 """Build of flashattn_ext: one extension, flashattn_ext._C.
 
 Environment:
-  FLASHATTN_FORCE_CUDA=1   build the CUDA kernels, fail if no CUDA toolkit is found
+  FLASHATTN_FORCE_CUDA=1   build the CUDA kernels, fail if no CUDA toolkit is found or
+                           torch is a CPU-only build
   FLASHATTN_SKIP_CUDA=1    CPU-only build even where a toolkit exists
   FLASHATTN_CUDA_ARCHS     compute capabilities (default "80;90a+PTX"): "90a" is Hopper's
                            own target, which the wgmma/TMA kernels need; "+PTX" on the
