@@ -1,12 +1,14 @@
 """Packaging: the import errors of a missing or mismatched extension, setup.py's
-choice of a CUDA or CPU-only build, and what the build prints."""
+choice of a CUDA or CPU-only build, what the build prints, the sdist and the license."""
 
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -137,3 +139,31 @@ def test_setup_py_outside_the_build_prints_and_writes_nothing(tmp_path):
     assert result.stdout.strip().splitlines()[-1] == flashattn_ext.__version__
     assert "flashattn_ext:" not in result.stdout + result.stderr
     assert not (tmp_path / "build").exists()
+
+
+def test_sdist_holds_the_sources_and_license(tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO_ROOT, tree, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.so"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHATTN_")}
+    env["FLASHATTN_SKIP_CUDA"] = "1"  # the sdist must hold the CUDA sources all the same
+    result = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")],
+                            cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    csrc = {path.relative_to(tree).as_posix() for path in (tree / "csrc").rglob("*") if path.is_file()}
+    assert csrc - names == set(), "csrc files missing from the sdist"
+    assert {"LICENSE", "setup.py", "pyproject.toml", "README.md", "CMakeLists.txt"} <= names
+
+
+def test_installed_metadata_names_the_license():
+    try:
+        dist = importlib.metadata.distribution("flashattn_ext")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("flashattn_ext is not installed (imported from a path)")
+    assert "LICENSE" in dist.metadata.get_all("License-File", []), dict(dist.metadata)
+    license_files = [f for f in dist.files if f.name == "LICENSE"]
+    assert license_files, "no LICENSE among the installed files"
+    assert license_files[0].read_text().startswith("BSD 3-Clause License")
