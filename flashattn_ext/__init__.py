@@ -5,9 +5,51 @@ Hand-written CUDA kernels and a tiled C++ CPU implementation behind two ops,
 flash-attn 2.x compatible Python API on top of them.
 """
 
+import importlib.machinery
+import os
+
 import torch  # noqa: F401  (first: _C links against libtorch/libc10, which torch loads)
 
-from . import _C  # noqa: F401  (loads the C++ library: registers the ops and their kernels)
+# Libraries of a CUDA build of torch: an _C that cannot find one was built against a
+# CUDA torch, and this torch is CPU-only or of another CUDA version.
+_TORCH_CUDA_LIBRARIES = ("libc10_cuda", "libtorch_cuda", "libcudart")
+
+
+def _extension_import_error(error: ImportError, package_dir: str) -> str:
+    """What went wrong loading the compiled extension _C from package_dir, and what to do.
+
+    Python's own message for a missing _C ("cannot import name '_C' from partially
+    initialized module ... circular import") points the wrong way."""
+    has_extension = any(os.path.exists(os.path.join(package_dir, "_C" + suffix))
+                        for suffix in importlib.machinery.all_suffixes())
+    if not has_extension:
+        if os.path.exists(os.path.join(os.path.dirname(package_dir), "setup.py")):
+            return (f"flashattn_ext: imported from its source tree ({package_dir}), which has no "
+                    "compiled extension _C: run Python from another directory to use the installed "
+                    "package (the current directory comes first on sys.path, so the source tree "
+                    "shadows it), or build in place with `pip install --no-build-isolation -e .`")
+        return (f"flashattn_ext: the compiled extension _C is missing from {package_dir}: the "
+                "install is incomplete; reinstall flashattn_ext from its source tree with "
+                "`pip install --no-build-isolation --force-reinstall --no-deps .`")
+    this_torch = f"torch {torch.__version__} " + (
+        f"(CUDA {torch.version.cuda})" if torch.version.cuda else "(CPU-only)")
+    rebuild = ("rebuild flashattn_ext against this torch: `pip install --no-build-isolation "
+               "--force-reinstall --no-deps .` in its source tree")
+    if any(name in str(error) for name in _TORCH_CUDA_LIBRARIES):
+        return (f"flashattn_ext: the compiled extension _C in {package_dir} was built against a "
+                f"CUDA build of torch whose libraries this {this_torch} lacks ({error}); install "
+                f"the torch it was built for, or {rebuild}")
+    if "undefined symbol" in str(error):
+        return (f"flashattn_ext: the compiled extension _C in {package_dir} needs symbols that "
+                f"this {this_torch} lacks, so it was probably built against another torch version "
+                f"({error}); {rebuild}")
+    return f"flashattn_ext: loading the compiled extension _C in {package_dir} failed: {error}"
+
+
+try:
+    from . import _C  # noqa: F401  (loads the C++ library: registers the ops and their kernels)
+except ImportError as e:
+    raise ImportError(_extension_import_error(e, os.path.dirname(os.path.abspath(__file__)))) from e
 from . import ops  # noqa: F401  (fake kernels and autograd of the ops)
 from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
