@@ -11,9 +11,16 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import tempfile
 
-import pytest
-import torch
+# torch.compile's on-disk cache outlives a rebuild: code compiled against an older
+# schema of the ops would be replayed against the new library. Each test session
+# compiles into its own folder (before torch reads the setting).
+_INDUCTOR_CACHE = tempfile.TemporaryDirectory(prefix="flashattn_ext_inductor_")  # removed at exit
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE.name)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import flashattn_ext
 import flashattn_ext._C  # noqa: F401  (the compiled library itself must import, not just the .py files)

@@ -57,7 +57,7 @@ fi
 # Build requirements of pyproject.toml (needed with --no-build-isolation) and the
 # test extras (transformers: tests/test_integration_transformers.py); pip leaves what
 # is already satisfied alone.
-"$PY" -m pip install -q "setuptools>=64" wheel ninja pytest numpy expecttest "transformers>=5.0"
+"$PY" -m pip install -q "setuptools>=77" wheel ninja pytest numpy expecttest "transformers>=5.0"
 
 # ---- 3. the package ---------------------------------------------------------------------
 # The stamp: what the built package depends on. Unchanged stamp + an importable
