@@ -134,3 +134,23 @@ def test_dense_4d_mask_is_refused():
 def test_register_refuses_names_transformers_dispatches_on(name):
     with pytest.raises(ValueError, match=r"register\(name\).* got " + repr(name).replace("(", r"\(")):
         fa_hf.register(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["left", "right"])
+def test_padded_batch_bf16_on_cuda_within_twice_sdpa_error(kind):
+    # The CUDA kernels in bf16 against sdpa in bf16, both measured from the same
+    # model's fp32 sdpa logits on the valid tokens (the flash-attn error rule).
+    config = llama_config(hidden_size=256, intermediate_size=512)  # head dim 64
+    ref, ours = model_pair(config)
+    ids, mask = (t.cuda() for t in padded_batch(kind))
+    valid = mask.bool()
+    with torch.no_grad():
+        exact = ref.cuda()(input_ids=ids, attention_mask=mask).logits[valid]
+        expected = ref.to(torch.bfloat16)(input_ids=ids, attention_mask=mask).logits[valid].float()
+        got = ours.cuda().to(torch.bfloat16)(input_ids=ids, attention_mask=mask).logits[valid].float()
+    assert torch.isfinite(got).all()
+    sdpa_error = (expected - exact).abs().max().item()
+    ours_error = (got - exact).abs().max().item()
+    assert ours_error <= 2 * sdpa_error + 1e-3, (ours_error, sdpa_error)
