@@ -15,9 +15,9 @@ VOCAB, SEQ = 128, 12
 
 
 def llama_config(**overrides):
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **overrides)
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaConfig(**{**sizes, **overrides})
 
 
 def model_pair(config, reference="sdpa", cls=transformers.LlamaForCausalLM):

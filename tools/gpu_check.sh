@@ -4,7 +4,7 @@
 # Logs and result files are written under a work folder and packed into one
 # archive, $OUT/gpu_results.tgz (the device tool brings back only a few files).
 #
-#   bash tools/gpu_check.sh [build] [tests] [sanitize] [sweep] [bwd-check] [bench] [bench-full]
+#   bash tools/gpu_check.sh [build] [tests] [suite] [sanitize] [sweep] [bwd-check] [bench] [bench-full]
 #   (default: build tests)
 #
 # Environment: OUT (default /tmp/flashattn_gpu_out), GPU_WORK (the work folder),
@@ -81,6 +81,11 @@ except RuntimeError as e:
       wait
       cat "$WORK"/stage_test_*.txt
       grep -q "exit [1-9]" "$WORK"/stage_test_*.txt && status=1 ;;
+    suite)
+      # Every other test file, on this machine's torch (the CPU backend, the Python layer
+      # and the integrations; the GPU-marked cases among them run too), 8 processes.
+      TAIL_LINES=15 run_stage suite in_dir /tmp timeout "${TEST_TIMEOUT_S:-400}" "$PY" -m pytest -q -rfE \
+        --tb=short -p no:cacheprovider -n 8 $(ls "$ROOT"/tests/test_*.py | grep -v -e _cuda -e cmake_build) ;;
     sanitize)
       # memcheck and racecheck over odd shapes, both kernel families (tools/sanitizer_shapes.py;
       # SANITIZE_FAMILIES="default" for the Hopper kernels alone).
