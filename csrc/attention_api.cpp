@@ -131,8 +131,9 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
     check_last_dim_contiguous(t, name);
   }
   check_same_device(lse, "lse", q);
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, "flashattn_ext: lse must be float32, got ",
-              lse.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse must be ",
+              q.scalar_type() == at::kDouble ? "float64" : "float32",
+              " (float64 for float64 inputs, else float32), got ", lse.scalar_type());
   const std::vector<int64_t> lse_shape{q.size(0), q.size(2), q.size(1)};
   TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape), "flashattn_ext: lse must have shape "
               "(batch, nheads, seqlen_q) = ", at::IntArrayRef(lse_shape), ", got ", lse.sizes());
@@ -151,7 +152,7 @@ std::pair<int, int> effective_window(const AttentionOptions& opts, int64_t seqle
 
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(const at::Tensor& q) {
   at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_dtype(q.scalar_type())));
   return {out, lse};
 }
 

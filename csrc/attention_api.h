@@ -50,6 +50,12 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
 std::pair<int, int> effective_window(const AttentionOptions& opts, int64_t seqlen_q,
                                      int64_t seqlen_k);
 
+// The dtype of lse: fp64 for fp64 inputs (the backward's probabilities come from
+// it, so it carries the inputs' precision), fp32 for every other dtype.
+inline at::ScalarType lse_dtype(at::ScalarType q_dtype) {
+  return q_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 // Fresh outputs of the forward: out like q (batch, seqlen_q, nheads, head_dim) and
 // lse (batch, nheads, seqlen_q) fp32.
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(const at::Tensor& q);

@@ -33,6 +33,11 @@ CUDA_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_DTYPES = {"cpu": CPU_DTYPES, "cuda": CUDA_DTYPES, "meta": CPU_DTYPES}
 
 
+def lse_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """As lse_dtype() in csrc/attention_api.h: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if q_dtype == torch.float64 else torch.float32
+
+
 def _shape(t: torch.Tensor) -> list:
     return list(t.shape)
 
@@ -262,8 +267,10 @@ def check_backward_args(dout, q, k, v, out, lse, softmax_scale, softcap, alibi_s
         check_last_dim_contiguous(t, name)
     check_is_tensor(lse, "lse")
     check_same_device(lse, "lse", q)
-    if lse.dtype != torch.float32:
-        raise RuntimeError(f"flashattn_ext: lse must be float32, got {lse.dtype}")
+    if lse.dtype != lse_dtype(q.dtype):
+        expected = str(lse_dtype(q.dtype)).removeprefix("torch.")
+        raise RuntimeError(f"flashattn_ext: lse must be {expected} (float64 for float64 inputs, "
+                           f"else float32), got {lse.dtype}")
     expected = [q.size(0), q.size(2), q.size(1)]
     if list(lse.shape) != expected:
         raise RuntimeError(

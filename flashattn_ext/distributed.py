@@ -141,7 +141,7 @@ def merge_attention_outputs(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: tor
                             lse_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of attention over the union of two disjoint key sets, from each
     set's (out, lse) in the op's layout: out (batch, seqlen, nheads, head_dim),
-    lse fp32 (batch, nheads, seqlen).
+    lse (batch, nheads, seqlen), fp32 (fp64 for fp64 inputs).
 
     Computed in fp32 (fp64 for fp64 outputs) with the larger lse subtracted, so
     no exponential overflows. A row with lse = +inf (it saw no key in that set,
@@ -208,7 +208,8 @@ def _held_block_calls(layout, ring: _Ring, step: int, local_len: int, lo, hi) ->
 def _ring_forward(q, kv, layout, softmax_scale, lo, hi, ring: _Ring):
     local_len = q.size(1)
     out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-    lse = torch.full((q.size(0), q.size(2), local_len), math.inf, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.size(0), q.size(2), local_len), math.inf, dtype=checks.lse_dtype(q.dtype),
+                     device=q.device)
     for step in range(ring.size):
         incoming = ring.pass_on(kv) if step + 1 < ring.size else None
         for qs, qe, ks, ke, left, right in _held_block_calls(layout, ring, step, local_len, lo, hi):
@@ -232,19 +233,8 @@ def _ring_backward(dout, q, kv, out, lse, layout, softmax_scale, lo, hi, determi
         dkv = torch.zeros(kv.shape, dtype=wide, device=q.device)
         for qs, qe, ks, ke, left, right in _held_block_calls(layout, ring, step, local_len, lo, hi):
             q_rows, k_rows, v_rows = q[:, qs:qe], kv[0, :, ks:ke], kv[1, :, ks:ke]
-            dout_rows = dout[:, qs:qe]
-            if q.dtype == torch.float64:
-                # The CPU fp64 backward normalises P with the block's own lse,
-                # recomputed in fp64, and ignores the lse passed in
-                # (csrc/cpu/attention_cpu.cpp). Scaling dout by
-                # w = exp(lse_block - lse) makes its gradients the global ones:
-                # its P is P_global / w, and D = rowsum(dout * out) scales by w.
-                _, block_lse = ops.attention_forward(q_rows, k_rows, v_rows, softmax_scale, False,
-                                                     left, right, 0.0, None, 0.0, None, False)
-                weight = torch.exp(block_lse - lse[:, :, qs:qe]).masked_fill(block_lse == math.inf, 0.0)
-                dout_rows = dout_rows * weight.transpose(1, 2).unsqueeze(-1).to(dout.dtype)
             block_dq, block_dk, block_dv = ops.run_backward(
-                dout_rows, q_rows, k_rows, v_rows, out[:, qs:qe], lse[:, :, qs:qe], softmax_scale,
+                dout[:, qs:qe], q_rows, k_rows, v_rows, out[:, qs:qe], lse[:, :, qs:qe], softmax_scale,
                 False, left, right, 0.0, None, 0.0, None, deterministic)
             dq[:, qs:qe] += block_dq
             dkv[0, :, ks:ke] += block_dk

@@ -55,10 +55,10 @@ def _attention_forward_fake(q, k, v, softmax_scale, causal, window_left, window_
     checks.check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
                               kernel_layout=True)
     # As allocate_forward_outputs() in csrc/attention_api.cpp: out has q's shape
-    # but is always contiguous, whatever q's strides; lse is fp32 (b, h, sq).
+    # but is always contiguous, whatever q's strides; lse is (b, h, sq), fp32 (fp64 for fp64 q).
     batch, seqlen_q, nheads, _ = q.shape
     out = q.new_empty(q.shape)
-    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=checks.lse_dtype(q.dtype))
     return out, lse
 
 

@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashattn_ext
+from flashattn_ext import checks
 from flashattn_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
 from reference import (BASELINE_DTYPES, GRADIENTS, assert_error_rule, attention_reference,
@@ -35,7 +36,7 @@ def test_matches_reference(case, dtype):
     inputs = case.make(dtype, requires_grad=True)
     actual = run_flash_attn(inputs)
     for name, tensor, source in zip(NAMES, actual, (inputs.q, inputs.q, inputs.q, inputs.k, inputs.v)):
-        expected_dtype = torch.float32 if name == "lse" else dtype
+        expected_dtype = checks.lse_dtype(dtype) if name == "lse" else dtype
         assert tensor.dtype == expected_dtype, f"{name} dtype"
         assert torch.isfinite(tensor).all() or name == "lse", f"{name} has non-finite values"
     assert not torch.isnan(actual[1]).any(), "lse has NaN"

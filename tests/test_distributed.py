@@ -7,9 +7,8 @@
 * merge_attention_outputs against one call over all the keys, and on empty rows.
 * World sizes 2 and 4 as gloo processes on this machine (tests/distributed_worker.py),
   forward and gradients gathered and compared with flash_attn_func on the global
-  tensors and with the fp64 reference, under the error rule of reference.py.
-  fp64 inputs are held to the fp32 rule: the ops' lse, from which the merge
-  weights come, is fp32 whatever the inputs.
+  tensors and with the fp64 reference, under the error rule of reference.py
+  (fp64 inputs to the fp64 rule: their lse and merge are fp64 too).
 * Argument errors, in a one-rank gloo group in this process.
 * On a GPU: the same comparison in bf16 with NCCL, one rank per GPU (one or two).
 """
@@ -102,10 +101,9 @@ def test_merge_of_two_key_halves_equals_attention_over_all_keys():
     whole_out, whole_lse = op_attention(q, k, v)
     out, lse = fd.merge_attention_outputs(*op_attention(q, k[:, :5], v[:, :5]),
                                           *op_attention(q, k[:, 5:], v[:, 5:]))
-    assert out.dtype == torch.float64 and lse.dtype == torch.float32
-    # The halves' lse are fp32: a few fp32 ulps of the weights.
-    assert max_abs_error(out, whole_out) < 1e-6
-    assert max_abs_error(lse, whole_lse) < 1e-6
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64
+    assert max_abs_error(out, whole_out) < 1e-12
+    assert max_abs_error(lse, whole_lse) < 1e-12
 
 
 def test_merge_empty_rows_and_large_lse():
@@ -149,20 +147,20 @@ def check_against_single_process(results, case, dtype, device):
     q, k, v, dout = case.global_inputs(dtype)
     mask = dict(causal=case.causal, window=case.window)
     reference = attention_reference_with_grads(q, k, v, dout, **mask)
-    # The rule's baseline: the same reference in the inputs' precision (fp32 for fp64
-    # inputs, which the fp32 merge weights limit to fp32 accuracy).
-    rule_dtype = torch.float32 if dtype == torch.float64 else dtype
-    baseline = attention_reference_with_grads(q.to(rule_dtype), k.to(rule_dtype), v.to(rule_dtype),
-                                              dout.to(rule_dtype), compute_dtype=rule_dtype, **mask)
+    # The rule's baseline: the same reference in the inputs' precision (none for fp64,
+    # whose rule is absolute).
+    baseline = [None] * len(worker.OUTPUTS)
+    if dtype != torch.float64:
+        baseline = attention_reference_with_grads(q, k, v, dout, compute_dtype=dtype, **mask)
     ring = [results[(case.name, str(dtype))][name] for name in worker.OUTPUTS]
     context = f"{case.name} ({case.layout})"
-    assert_error_rule(worker.OUTPUTS, ring, reference, baseline, rule_dtype, context)
+    assert_error_rule(worker.OUTPUTS, ring, reference, baseline, dtype, context)
     # And next to flash_attn_func on one device, within the same allowance.
     single = single_process(case, dtype, device)
     gradient_scale = max(r.abs().max().item() for r in reference[2:])
     for name, a, s, r, b in zip(worker.OUTPUTS, ring, single, reference, baseline):
         scale = gradient_scale if name.startswith("d") else None
-        assert max_abs_error(a, s) <= tolerance(name, rule_dtype, r, b, scale), (context, name)
+        assert max_abs_error(a, s) <= tolerance(name, dtype, r, b, scale), (context, name)
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda p: f"world{p}")

@@ -245,7 +245,7 @@ OP_CHECKS = [
     ("backward_lse_shape", op_backward(replace(lse=lambda t: t[:, :, :3])), RuntimeError,
      r"lse must have shape \(batch, nheads, seqlen_q\) = \[1, 2, 4\], got \[1, 2, 3\]"),
     ("backward_lse_dtype", op_backward(replace(lse=lambda t: t.double())), RuntimeError,
-     r"lse must be float32, got .*"),
+     r"lse must be float32 \(float64 for float64 inputs, else float32\), got .*"),
     ("backward_q_rank", op_backward(replace(q=lambda t: t[0])), RuntimeError, r"q must have 4 dimensions"),
 ]
 

@@ -22,11 +22,11 @@
 // Tasks go to at::parallel_for workers through a shared counter, one at a
 // time, so the uneven tasks of causal and windowed masks balance.
 //
-// Precision: fp32, bf16 and fp16 compute in fp32, fp64 in fp64. The schema
-// stores lse in fp32, which would cost fp64 gradients ~5e-7 relative error, so
-// the fp64 backward recomputes each row's lse in fp64 (one extra S per block in
-// pass 1) and ignores the lse it is given. dk and dv, long sums over query rows,
-// add up their per-query-block products in fp64 (see dkdv_pass).
+// Precision: fp32, bf16 and fp16 compute in fp32, fp64 in fp64, and lse has the
+// accumulator's dtype, so the backward recomputes P from the lse it is given
+// (ring attention hands it a merged one) at full precision. dk and dv, long
+// sums over query rows, add up their per-query-block products in fp64 (see
+// dkdv_pass).
 //
 // Scores are kept in log2 units (log2(e) * score, as FlashAttention does) so
 // that the softmax runs on exp2, which ATen's vectorised kernels compute about
@@ -343,7 +343,7 @@ template <typename acc_t>
 void forward_pass(const Problem<acc_t>& pb, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse) {
   const int64_t d = pb.head_dim;
-  float* const lse_data = lse.data_ptr<float>();
+  acc_t* const lse_data = lse.data_ptr<acc_t>();
   run_tasks(num_query_block_tasks(pb), [&](const auto& next_task) {
     const at::TensorOptions& opts = pb.acc_options;
     const at::Tensor q_scratch = at::empty({kBlockQ * d}, opts);
@@ -374,10 +374,10 @@ void forward_pass(const Problem<acc_t>& pb, const at::Tensor& q, const at::Tenso
       at::Tensor inverse = inverse_sums.narrow(0, 0, t.rows);
       softmax.inverse_sums(inverse);
       head_rows(out, t.b, t.h, t.i0, t.rows).copy_(acc.mul_(inverse.unsqueeze(1)));
-      float* const lse_rows =
+      acc_t* const lse_rows =
           lse_data + t.b * lse.stride(0) + t.h * lse.stride(1) + t.i0 * lse.stride(2);
       for (int64_t r = 0; r < t.rows; ++r) {
-        lse_rows[r * lse.stride(2)] = static_cast<float>(softmax.lse_log2(r) * acc_t(M_LN2));
+        lse_rows[r * lse.stride(2)] = softmax.lse_log2(r) * acc_t(M_LN2);
       }
     }
   });
@@ -445,19 +445,7 @@ void dq_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tensor&
       at::sum_out(delta, at::mul(dout_rows, head_rows(out, t.b, t.h, t.i0, t.rows)), 1);
 
       at::Tensor block_lse_log2 = row_lse_log2[t.b][t.h].narrow(0, t.i0, t.rows);
-      if constexpr (std::is_same_v<acc_t, double>) {
-        softmax.reset(t.rows);
-        for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
-          const at::Tensor k_rows = head_rows(k, t.b, kv_head, j0, cols);
-          at::Tensor scores = block_of(scratch.scores, t.rows, cols);
-          compute_scores(pb, q_scaled, k_rows, t.b, t.h, t.i0, j0, scores, nullptr);
-          softmax.step(scores);
-        });
-        acc_t* const lse_out = block_lse_log2.data_ptr<acc_t>();
-        for (int64_t r = 0; r < t.rows; ++r) lse_out[r] = softmax.lse_log2(r);
-      } else {
-        at::mul_out(block_lse_log2, lse[t.b][t.h].narrow(0, t.i0, t.rows), M_LOG2E);
-      }
+      at::mul_out(block_lse_log2, lse[t.b][t.h].narrow(0, t.i0, t.rows), M_LOG2E);
 
       at::Tensor dq_acc = block_of(scratch.acc, t.rows, d).zero_();
       for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
