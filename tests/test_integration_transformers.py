@@ -44,15 +44,18 @@ def padded_batch(kind):
     return ids, mask
 
 
-@pytest.mark.parametrize("kind", ["left", "right"])
-def test_padded_batch_matches_sdpa_on_valid_tokens(kind):
-    ref, ours = model_pair(llama_config())
+def assert_same_logits_on_valid_tokens(ref, ours, kind):
     ids, mask = padded_batch(kind)
     with torch.no_grad():
         expected = ref(input_ids=ids, attention_mask=mask).logits
         got = ours(input_ids=ids, attention_mask=mask).logits
     valid = mask.bool()
     torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["left", "right"])
+def test_padded_batch_matches_sdpa_on_valid_tokens(kind):
+    assert_same_logits_on_valid_tokens(*model_pair(llama_config()), kind)
 
 
 def test_unpadded_gqa_causal_batch_matches_sdpa():
@@ -83,13 +86,8 @@ def test_sliding_window_and_softcap_match_eager():
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
         sliding_window=3, attn_logit_softcapping=0.05, query_pre_attn_scalar=16)
-    ref, ours = model_pair(config, reference="eager", cls=transformers.Gemma2ForCausalLM)
-    ids, mask = padded_batch("left")
-    with torch.no_grad():
-        expected = ref(input_ids=ids, attention_mask=mask).logits
-        got = ours(input_ids=ids, attention_mask=mask).logits
-    valid = mask.bool()
-    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+    assert_same_logits_on_valid_tokens(
+        *model_pair(config, reference="eager", cls=transformers.Gemma2ForCausalLM), "left")
 
 
 def test_training_steps_match_sdpa():
