@@ -191,7 +191,12 @@ def _is_int(x) -> bool:
 
 
 def check_window_size(window_size) -> tuple:
-    """window_size must be a pair of ints (left, right); returns it as a tuple of ints."""
+    """window_size must be a pair of ints (left, right): a tuple or list (of Python or
+    numpy integers) or a 2-element integer tensor, as flash-attn's own tests pass it;
+    returns it as a tuple of ints."""
+    if (isinstance(window_size, torch.Tensor) and window_size.shape == (2,)
+            and not window_size.dtype.is_floating_point and window_size.dtype != torch.bool):
+        window_size = window_size.tolist()
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
         _is_int(w) for w in window_size
     ):

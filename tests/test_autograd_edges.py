@@ -2,6 +2,7 @@
 with gradients from a reduction, inputs whose last dimension is not contiguous,
 and the single autograd path (the ops' own formulas) seen from torch.jit.trace."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,3 +131,18 @@ def test_vmap_folds_into_the_batch(q_dim):
     expected_grads = torch.autograd.grad(expected, (stacked_q, k, v), dout)
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window_size", [
+    torch.tensor([3, 1]), (np.int64(3), np.int32(1)), [3, 1],
+], ids=["tensor", "numpy", "list"])
+def test_window_size_as_flash_attn_tests_pass_it(window_size):
+    q, k, v = (t.detach() for t in random_qkv())
+    torch.testing.assert_close(flash_attn_func(q, k, v, window_size=window_size),
+                               flash_attn_func(q, k, v, window_size=(3, 1)), rtol=0, atol=0)
+
+
+def test_window_size_tensor_of_floats_is_refused():
+    q, k, v = (t.detach() for t in random_qkv())
+    with pytest.raises(TypeError, match=r"window_size must be a pair of ints"):
+        flash_attn_func(q, k, v, window_size=torch.tensor([3.0, 1.0]))
