@@ -340,8 +340,9 @@ _FUNC_DOC = """
     dropout_p > 0 and alibi_slopes raise NotImplementedError.
 
     Returns this rank's shard of the output, or with return_attn_probs
-    (out, softmax_lse (batch, nheads, local_seqlen) fp32 (fp64 for fp64 inputs), None). Differentiable
-    with respect to q, k and v; every rank of the group must call the backward.
+    (out, softmax_lse (batch, nheads, local_seqlen) in fp32 (fp64 for fp64
+    inputs), None). Differentiable with respect to q, k and v; every rank of the
+    group must call the backward.
 """
 
 
