@@ -123,7 +123,7 @@ def flash_attn_func(
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim); with return_attn_probs,
-        (out, softmax_lse (batch, nheads, seqlen_q) fp32, None).
+        (out, softmax_lse (batch, nheads, seqlen_q) fp32 (fp64 for fp64 inputs), None).
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs)
