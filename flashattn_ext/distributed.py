@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from . import checks
 from . import ops
-from .interface import _kernel_operand, _round_up
+from .interface import _kernel_operands, _softmax_scale
 
 RING = "ring"
 ZIGZAG = "zigzag"
@@ -315,17 +315,10 @@ def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alib
             "offset added to it; got a tensor, expected None")
     lo, hi = _mask_bounds(causal, window_size)
     head_dim = q.size(-1)
-    if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
-    softmax_scale = float(softmax_scale)
-    checks.check_softmax_scale(softmax_scale)
-
-    padded = _round_up(head_dim, checks.HEAD_DIM_ALIGNMENT)
-    q_p, k_p, v_p = (_kernel_operand(t, padded) for t in (q, k, v))
-    out, lse = _RingAttention.apply(q_p, k_p, v_p, layout, softmax_scale, lo, hi,
+    softmax_scale = _softmax_scale(softmax_scale, head_dim)
+    out, lse = _RingAttention.apply(*_kernel_operands(q, k, v), layout, softmax_scale, lo, hi,
                                     bool(deterministic), ring)
-    if padded != head_dim:
-        out = out[..., :head_dim]
+    out = out[..., :head_dim]
     if return_attn_probs:
         return out, lse, None
     return out

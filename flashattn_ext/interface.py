@@ -50,6 +50,23 @@ def _kernel_operand(t: torch.Tensor, padded_head_dim: int) -> torch.Tensor:
     return ops.unit_stride_last_dim(t)
 
 
+def _kernel_operands(q, k, v):
+    """q, k, v in the op's layout (see _kernel_operand); slice the output back
+    to q.size(-1) columns."""
+    padded = _round_up(q.size(-1), checks.HEAD_DIM_ALIGNMENT)
+    return tuple(_kernel_operand(t, padded) for t in (q, k, v))
+
+
+def _softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale as given, or 1/sqrt(head_dim) of the head dim the caller gave, not
+    the padded one (1 for an empty head dim); checked."""
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
+    softmax_scale = float(softmax_scale)
+    checks.check_softmax_scale(softmax_scale)
+    return softmax_scale
+
+
 def _draw_rng_state(device: torch.device) -> torch.Tensor:
     """[seed, offset] (int64) for a dropout call, drawn from torch's generator of
     ``device``: torch.manual_seed makes the mask reproducible, and each call
@@ -65,11 +82,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     checks.check_qkv(q, k, v, kernel_layout=False)
     window_left, window_right = checks.check_window_size(window_size)
     head_dim = q.size(-1)
-    if softmax_scale is None:
-        # From the head dim the caller gave, not the padded one (1 for an empty head dim).
-        softmax_scale = head_dim ** -0.5 if head_dim > 0 else 1.0
-    softmax_scale = float(softmax_scale)
-    checks.check_softmax_scale(softmax_scale)
+    softmax_scale = _softmax_scale(softmax_scale, head_dim)
     dropout_p = float(dropout_p)
     checks.check_dropout_p(dropout_p)
     softcap = float(softcap)
@@ -78,13 +91,10 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
     rng_state = _draw_rng_state(q.device) if dropout_p > 0.0 else None
 
-    padded = _round_up(head_dim, checks.HEAD_DIM_ALIGNMENT)
-    q_p, k_p, v_p = (_kernel_operand(t, padded) for t in (q, k, v))
-    out, lse = ops.attention_forward(q_p, k_p, v_p, softmax_scale, bool(causal), window_left,
+    out, lse = ops.attention_forward(*_kernel_operands(q, k, v), softmax_scale, bool(causal), window_left,
                                      window_right, softcap, alibi_slopes, dropout_p, rng_state,
                                      bool(deterministic))
-    if padded != head_dim:
-        out = out[..., :head_dim]
+    out = out[..., :head_dim]
     if return_attn_probs:
         return out, lse, None
     return out
