@@ -8,18 +8,24 @@
 namespace flashattn {
 namespace {
 
-// Layout named in every shape message, so the user sees which axis is which.
-constexpr const char* kLayout = "(batch, seqlen, nheads, head_dim)";
+// Layouts named in every shape message, so the user sees which axis is which.
+constexpr const char* kDenseLayout = "(batch, seqlen, nheads, head_dim)";
+constexpr const char* kVarlenLayout = "(total, nheads, head_dim)";
 
-void check_rank4(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 4, "flashattn_ext: ", name, " must have 4 dimensions ", kLayout,
-              ", got ", t.dim(), " dimensions with shape ", t.sizes());
+// q, k, v, out and dout: 4-d dense, 3-d when that side is variable-length (cu_seqlens given).
+void check_rank(const at::Tensor& t, const char* name, bool varlen) {
+  const int64_t rank = varlen ? 3 : 4;
+  TORCH_CHECK(t.dim() == rank, "flashattn_ext: ", name, " must have ", rank, " dimensions ",
+              varlen ? kVarlenLayout : kDenseLayout,
+              varlen ? " (cu_seqlens given)" : " (no cu_seqlens given)", ", got ", t.dim(),
+              " dimensions with shape ", t.sizes());
 }
 
 void check_size(const at::Tensor& t, const char* name, int64_t dim, const char* dim_name,
                 int64_t expected, const char* expected_from) {
-  TORCH_CHECK(t.size(dim) == expected, "flashattn_ext: ", name, " ", dim_name, " (dim ", dim,
-              ") must match ", expected_from, ": got ", t.size(dim), ", expected ", expected);
+  const int64_t d = dim < 0 ? dim + t.dim() : dim;
+  TORCH_CHECK(t.size(d) == expected, "flashattn_ext: ", name, " ", dim_name, " (dim ", d,
+              ") must match ", expected_from, ": got ", t.size(d), ", expected ", expected);
 }
 
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
@@ -39,6 +45,58 @@ void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.numel() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, "flashattn_ext: ", name,
               " must be contiguous in its last dimension (head_dim): got stride ", t.stride(-1),
               ", expected 1");
+}
+
+// cu_seqlens (batch + 1) or seqused (batch): int32, 1-d, contiguous, on q's device.
+void check_sequence_tensor(const std::optional<at::Tensor>& t, const char* name, int64_t expected_len,
+                           const char* expected_from, const at::Tensor& q) {
+  if (!t.has_value()) return;
+  check_same_device(*t, name, q);
+  TORCH_CHECK(t->scalar_type() == at::kInt, "flashattn_ext: ", name, " must be int32, got ",
+              t->scalar_type());
+  TORCH_CHECK(t->dim() == 1, "flashattn_ext: ", name, " must have 1 dimension, got shape ",
+              t->sizes());
+  TORCH_CHECK(t->size(0) == expected_len, "flashattn_ext: ", name, " must have ", expected_from,
+              " = ", expected_len, " elements, got ", t->size(0));
+  TORCH_CHECK(t->size(0) <= 1 || t->stride(0) == 1, "flashattn_ext: ", name,
+              " must be contiguous: got stride ", t->stride(0), ", expected 1");
+}
+
+int64_t batch_of(const at::Tensor& t, const std::optional<at::Tensor>& cu_seqlens) {
+  return cu_seqlens.has_value() ? cu_seqlens->size(0) - 1 : t.size(0);
+}
+
+void check_sequence_layout(const at::Tensor& q, const at::Tensor& k, const SequenceLayout& layout) {
+  for (const auto& [cu, name] : {std::pair{&layout.cu_seqlens_q, "cu_seqlens_q"},
+                                 std::pair{&layout.cu_seqlens_k, "cu_seqlens_k"}})
+    if (cu->has_value())
+      TORCH_CHECK((*cu)->dim() == 1 && (*cu)->size(0) >= 1, "flashattn_ext: ", name,
+                  " must be 1-d with batch + 1 >= 1 elements, got shape ", (*cu)->sizes());
+  const int64_t batch = batch_of(q, layout.cu_seqlens_q);
+  if (layout.varlen_q()) {
+    check_sequence_tensor(layout.cu_seqlens_q, "cu_seqlens_q", batch + 1, "batch + 1", q);
+    TORCH_CHECK(layout.max_seqlen_q >= 0, "flashattn_ext: max_seqlen_q must be given (>= 0) "
+                "with cu_seqlens_q, got ", layout.max_seqlen_q);
+  } else {
+    TORCH_CHECK(layout.max_seqlen_q < 0 || layout.max_seqlen_q == q.size(1), "flashattn_ext: "
+                "max_seqlen_q without cu_seqlens_q must be -1 or q's seqlen (dim 1) = ", q.size(1),
+                ", got ", layout.max_seqlen_q);
+  }
+  if (layout.varlen_k()) {
+    check_sequence_tensor(layout.cu_seqlens_k, "cu_seqlens_k", batch + 1,
+                          layout.varlen_q() ? "the length of cu_seqlens_q" : "q's batch + 1", q);
+    TORCH_CHECK(layout.max_seqlen_k >= 0, "flashattn_ext: max_seqlen_k must be given (>= 0) "
+                "with cu_seqlens_k, got ", layout.max_seqlen_k);
+  } else {
+    TORCH_CHECK(k.size(0) == batch, "flashattn_ext: k batch size (dim 0) must match ",
+                layout.varlen_q() ? "cu_seqlens_q's length - 1" : "q", ": got ", k.size(0),
+                ", expected ", batch);
+    TORCH_CHECK(layout.max_seqlen_k < 0 || layout.max_seqlen_k == k.size(1), "flashattn_ext: "
+                "max_seqlen_k without cu_seqlens_k must be -1 or k's seqlen (dim 1) = ", k.size(1),
+                ", got ", layout.max_seqlen_k);
+  }
+  check_sequence_tensor(layout.seqused_q, "seqused_q", batch, "batch", q);
+  check_sequence_tensor(layout.seqused_k, "seqused_k", batch, "batch", q);
 }
 
 void check_options(const AttentionOptions& opts, const at::Tensor& q, const at::Tensor& k,
@@ -62,7 +120,7 @@ void check_options(const AttentionOptions& opts, const at::Tensor& q, const at::
     check_same_device(s, "alibi_slopes", q);
     TORCH_CHECK(s.scalar_type() == at::kFloat, "flashattn_ext: alibi_slopes must be float32, got ",
                 s.scalar_type());
-    const int64_t b = q.size(0), h = q.size(2);
+    const int64_t b = batch_of(q, opts.layout.cu_seqlens_q), h = q.size(-2);
     const bool per_head = s.dim() == 1 && s.size(0) == h;
     const bool per_batch_head = s.dim() == 2 && s.size(0) == b && s.size(1) == h;
     TORCH_CHECK(per_head || per_batch_head, "flashattn_ext: alibi_slopes must have shape (nheads,) = (",
@@ -81,13 +139,19 @@ void check_options(const AttentionOptions& opts, const at::Tensor& q, const at::
   (void)k;
 }
 
+std::vector<int64_t> lse_shape_of(const at::Tensor& q, const SequenceLayout& layout) {
+  if (layout.varlen_q()) return {q.size(1), q.size(0)};
+  return {q.size(0), q.size(2), q.size(1)};
+}
+
 }  // namespace
 
 void check_forward_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const AttentionOptions& opts, const BackendFeatures& backend) {
-  check_rank4(q, "q");
-  check_rank4(k, "k");
-  check_rank4(v, "v");
+  const SequenceLayout& layout = opts.layout;
+  check_rank(q, "q", layout.varlen_q());
+  check_rank(k, "k", layout.varlen_k());
+  check_rank(v, "v", layout.varlen_k());
   check_same_device(k, "k", q);
   check_same_device(v, "v", q);
   check_same_dtype(k, "k", q);
@@ -95,25 +159,26 @@ void check_forward_inputs(const at::Tensor& q, const at::Tensor& k, const at::Te
   TORCH_CHECK(backend.dtype_supported(q.scalar_type()), "flashattn_ext: dtype ", q.scalar_type(),
               " is not supported on ", backend.name, " (q, k and v must share a supported dtype)");
 
-  const int64_t batch = q.size(0), head_dim = q.size(3);
-  check_size(k, "k", 0, "batch size", batch, "q");
-  check_size(v, "v", 0, "batch size", batch, "q");
-  check_size(v, "v", 1, "seqlen", k.size(1), "k");
-  check_size(v, "v", 2, "nheads", k.size(2), "k");
-  check_size(k, "k", 3, "head_dim", head_dim, "q");
-  check_size(v, "v", 3, "head_dim", head_dim, "q");
-  TORCH_CHECK(head_dim <= kMaxHeadDim, "flashattn_ext: head_dim (q dim 3) must be at most ",
+  const int64_t head_dim = q.size(-1);
+  if (!layout.varlen_k()) check_size(v, "v", 0, "batch size", k.size(0), "k");
+  check_size(v, "v", -3, layout.varlen_k() ? "total rows" : "seqlen", k.size(-3), "k");
+  check_size(v, "v", -2, "nheads", k.size(-2), "k");
+  check_size(k, "k", -1, "head_dim", head_dim, "q");
+  check_size(v, "v", -1, "head_dim", head_dim, "q");
+  TORCH_CHECK(head_dim <= kMaxHeadDim, "flashattn_ext: head_dim (q's last dim) must be at most ",
               kMaxHeadDim, ", got ", head_dim);
-  TORCH_CHECK(head_dim % kHeadDimAlignment == 0, "flashattn_ext: head_dim (q dim 3) must be a "
+  TORCH_CHECK(head_dim % kHeadDimAlignment == 0, "flashattn_ext: head_dim (q's last dim) must be a "
               "multiple of ", kHeadDimAlignment, " (flash_attn_func pads it), got ", head_dim);
-  TORCH_CHECK(k.size(2) > 0 || q.size(2) == 0, "flashattn_ext: k nheads (dim 2) must be positive "
-              "when q has heads, got 0");
-  TORCH_CHECK(k.size(2) == 0 || q.size(2) % k.size(2) == 0,
-              "flashattn_ext: q nheads (dim 2) must be a multiple of k nheads (dim 2): got ",
-              q.size(2), " and ", k.size(2));
+  const int64_t nheads_q = q.size(-2), nheads_kv = k.size(-2);
+  TORCH_CHECK(nheads_kv > 0 || nheads_q == 0, "flashattn_ext: k nheads (dim ", k.dim() - 2,
+              ") must be positive when q has heads, got 0");
+  TORCH_CHECK(nheads_kv == 0 || nheads_q % nheads_kv == 0, "flashattn_ext: q nheads (dim ",
+              q.dim() - 2, ") must be a multiple of k nheads (dim ", k.dim() - 2, "): got ",
+              nheads_q, " and ", nheads_kv);
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
+  check_sequence_layout(q, k, layout);
   check_options(opts, q, k, backend);
 }
 
@@ -123,7 +188,7 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
   check_forward_inputs(q, k, v, opts, backend);
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{dout, "dout"},
                                 std::pair<const at::Tensor&, const char*>{out, "out"}}) {
-    check_rank4(t, name);
+    check_rank(t, name, opts.layout.varlen_q());
     check_same_device(t, name, q);
     check_same_dtype(t, name, q);
     TORCH_CHECK(t.sizes() == q.sizes(), "flashattn_ext: ", name, " must have the shape of q: got ",
@@ -134,9 +199,10 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
   TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse must be ",
               q.scalar_type() == at::kDouble ? "float64" : "float32",
               " (float64 for float64 inputs, else float32), got ", lse.scalar_type());
-  const std::vector<int64_t> lse_shape{q.size(0), q.size(2), q.size(1)};
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape), "flashattn_ext: lse must have shape "
-              "(batch, nheads, seqlen_q) = ", at::IntArrayRef(lse_shape), ", got ", lse.sizes());
+  const std::vector<int64_t> lse_shape = lse_shape_of(q, opts.layout);
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape), "flashattn_ext: lse must have shape ",
+              opts.layout.varlen_q() ? "(nheads, total_q) = " : "(batch, nheads, seqlen_q) = ",
+              at::IntArrayRef(lse_shape), ", got ", lse.sizes());
 }
 
 std::pair<int, int> effective_window(const AttentionOptions& opts, int64_t seqlen_q,
@@ -150,19 +216,101 @@ std::pair<int, int> effective_window(const AttentionOptions& opts, int64_t seqle
   return {static_cast<int>(left), static_cast<int>(right)};
 }
 
-std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(const at::Tensor& q) {
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_dtype(q.scalar_type())));
-  return {out, lse};
+std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(const at::Tensor& q,
+                                                            const AttentionOptions& opts) {
+  const at::TensorOptions lse_options = q.options().dtype(lse_dtype(q.scalar_type()));
+  if (opts.layout.seqused_q.has_value())
+    return {at::zeros(q.sizes(), q.options()),
+            at::full(lse_shape_of(q, opts.layout), std::numeric_limits<double>::infinity(), lse_options)};
+  return {at::empty(q.sizes(), q.options()), at::empty(lse_shape_of(q, opts.layout), lse_options)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_backward_outputs(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& opts) {
+  const auto make = [](const at::Tensor& t, bool zeroed) {
+    return zeroed ? at::zeros(t.sizes(), t.options()) : at::empty(t.sizes(), t.options());
+  };
+  const bool keys_unused = opts.layout.seqused_k.has_value();
+  return {make(q, opts.layout.seqused_q.has_value()), make(k, keys_unused), make(v, keys_unused)};
+}
+
+ProblemSizes problem_sizes(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts) {
+  const SequenceLayout& layout = opts.layout;
+  ProblemSizes s{};
+  s.batch = batch_of(q, layout.cu_seqlens_q);
+  s.nheads_q = q.size(-2);
+  s.nheads_kv = k.size(-2);
+  s.head_dim = q.size(-1);
+  s.rows_q = q.size(-3);
+  s.rows_k = k.size(-3);
+  s.seqlen_q = layout.varlen_q() ? layout.max_seqlen_q : s.rows_q;
+  s.seqlen_k = layout.varlen_k() ? layout.max_seqlen_k : s.rows_k;
+  return s;
+}
+
+void check_sequence_values(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts) {
+  const SequenceLayout& layout = opts.layout;
+  std::vector<at::Tensor> parts;
+  for (const auto* t : {&layout.cu_seqlens_q, &layout.cu_seqlens_k, &layout.seqused_q, &layout.seqused_k})
+    if (t->has_value()) parts.push_back(**t);
+  if (parts.empty()) return;
+  // One copy (one synchronisation) for all of them.
+  const at::Tensor host = at::cat(parts).to(at::kCPU, at::kLong);
+  const int64_t* values = host.data_ptr<int64_t>();
+  const ProblemSizes sizes = problem_sizes(q, k, opts);
+  const int64_t batch = sizes.batch;
+
+  // Sequence lengths per side: from cu_seqlens (checked here) or the dense seqlen.
+  std::vector<int64_t> lengths[2];
+  const auto read_cu = [&](const char* name, int64_t rows, int64_t max_seqlen, const char* max_name,
+                           const char* tensor, std::vector<int64_t>& len) {
+    TORCH_CHECK(values[0] == 0, "flashattn_ext: ", name, "[0] must be 0, got ", values[0]);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t n = values[b + 1] - values[b];
+      TORCH_CHECK(n >= 0, "flashattn_ext: ", name, " must be non-decreasing: got ", name, "[", b + 1,
+                  "] = ", values[b + 1], " < ", name, "[", b, "] = ", values[b]);
+      TORCH_CHECK(n <= max_seqlen, "flashattn_ext: sequence ", b, " of ", name, " has ", n,
+                  " rows, more than ", max_name, " = ", max_seqlen);
+      len.push_back(n);
+    }
+    TORCH_CHECK(values[batch] == rows, "flashattn_ext: ", name, "[-1] (the total rows) must equal ",
+                tensor, "'s dim 0: got ", values[batch], ", expected ", rows);
+    values += batch + 1;
+  };
+  if (layout.varlen_q())
+    read_cu("cu_seqlens_q", sizes.rows_q, layout.max_seqlen_q, "max_seqlen_q", "q", lengths[0]);
+  else
+    lengths[0].assign(batch, sizes.rows_q);
+  if (layout.varlen_k())
+    read_cu("cu_seqlens_k", sizes.rows_k, layout.max_seqlen_k, "max_seqlen_k", "k", lengths[1]);
+  else
+    lengths[1].assign(batch, sizes.rows_k);
+  const char* used_names[2] = {"seqused_q", "seqused_k"};
+  const bool used[2] = {layout.seqused_q.has_value(), layout.seqused_k.has_value()};
+  for (int side = 0; side < 2; ++side) {
+    if (!used[side]) continue;
+    for (int64_t b = 0; b < batch; ++b)
+      TORCH_CHECK(values[b] >= 0 && values[b] <= lengths[side][b], "flashattn_ext: ", used_names[side],
+                  "[", b, "] must be in [0, ", lengths[side][b], "] (the rows of sequence ", b, "), got ",
+                  values[b]);
+    values += batch;
+  }
 }
 
 bool is_empty_problem(const at::Tensor& q, const at::Tensor& k) {
-  return q.numel() == 0 || k.size(1) == 0;
+  return q.numel() == 0 || k.size(-3) == 0 || k.size(-2) == 0;
 }
 
 namespace {
+// A variable-length tensor (total, nheads, head_dim) is one batch entry whose rows
+// every sequence indexes from its cu_seqlens offset: batch stride 0.
 TensorStrides strides_of(const at::Tensor& t) {
+  if (t.dim() == 3) return TensorStrides{0, t.stride(0), t.stride(1)};
   return TensorStrides{t.stride(0), t.stride(1), t.stride(2)};
+}
+
+const int* data_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<int>() : nullptr;
 }
 }  // namespace
 
@@ -179,20 +327,29 @@ AttentionFwdParams make_forward_params(const at::Tensor& q, const at::Tensor& k,
   p.k_strides = strides_of(k);
   p.v_strides = strides_of(v);
   p.out_strides = strides_of(out);
-  TORCH_CHECK(q.size(1) <= std::numeric_limits<int>::max() &&
-                  k.size(1) <= std::numeric_limits<int>::max() &&
-                  q.size(0) * q.size(2) <= std::numeric_limits<int>::max(),
-              "flashattn_ext: batch * nheads and the seqlens must each fit in int32, got q shape ",
+  const ProblemSizes sizes = problem_sizes(q, k, opts);
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  TORCH_CHECK(sizes.rows_q <= kIntMax && sizes.rows_k <= kIntMax && sizes.batch * sizes.nheads_q <= kIntMax,
+              "flashattn_ext: batch * nheads and the rows of q and k must each fit in int32, got q shape ",
               q.sizes(), " and k shape ", k.sizes());
-  p.batch = static_cast<int>(q.size(0));
-  p.seqlen_q = static_cast<int>(q.size(1));
-  p.nheads_q = static_cast<int>(q.size(2));
-  p.head_dim = static_cast<int>(q.size(3));
-  p.seqlen_k = static_cast<int>(k.size(1));
-  p.nheads_kv = static_cast<int>(k.size(2));
+  p.batch = static_cast<int>(sizes.batch);
+  p.nheads_q = static_cast<int>(sizes.nheads_q);
+  p.nheads_kv = static_cast<int>(sizes.nheads_kv);
+  p.head_dim = static_cast<int>(sizes.head_dim);
+  p.seqlen_q = static_cast<int>(std::min(sizes.seqlen_q, sizes.rows_q));
+  p.seqlen_k = static_cast<int>(std::min(sizes.seqlen_k, sizes.rows_k));
+  p.rows_q = static_cast<int>(sizes.rows_q);
+  p.rows_k = static_cast<int>(sizes.rows_k);
+  p.cu_seqlens_q = data_or_null(opts.layout.cu_seqlens_q);
+  p.cu_seqlens_k = data_or_null(opts.layout.cu_seqlens_k);
+  p.seqused_q = data_or_null(opts.layout.seqused_q);
+  p.seqused_k = data_or_null(opts.layout.seqused_k);
+  // lse (batch, nheads, seqlen_q) dense, (nheads, total_q) variable-length.
+  p.lse_strides = opts.layout.varlen_q() ? TensorStrides{0, 1, lse.stride(0)}
+                                         : TensorStrides{lse.stride(0), 1, lse.stride(1)};
   p.softmax_scale = static_cast<float>(opts.softmax_scale);
   p.softmax_scale_log2 = static_cast<float>(opts.softmax_scale * M_LOG2E);
-  std::tie(p.window_left, p.window_right) = effective_window(opts, q.size(1), k.size(1));
+  std::tie(p.window_left, p.window_right) = effective_window(opts, p.seqlen_q, p.seqlen_k);
   p.softcap = static_cast<float>(opts.softcap);
   if (opts.alibi_slopes.has_value()) {
     p.alibi_slopes = opts.alibi_slopes->data_ptr<float>();

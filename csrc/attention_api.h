@@ -15,7 +15,24 @@ namespace flashattn {
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kHeadDimAlignment = 8;
 
-// The scalar arguments shared by the forward and backward schemas.
+// Where each batch entry's rows are: the ops' sequence arguments (ops_schema.cpp).
+// A side without cu_seqlens is dense, (batch, seqlen, nheads, head_dim).
+struct SequenceLayout {
+  std::optional<at::Tensor> cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k;
+  int64_t max_seqlen_q = -1, max_seqlen_k = -1;
+
+  bool varlen_q() const { return cu_seqlens_q.has_value(); }
+  bool varlen_k() const { return cu_seqlens_k.has_value(); }
+};
+
+// The sizes of a checked call, whatever its layout.
+struct ProblemSizes {
+  int64_t batch, nheads_q, nheads_kv, head_dim;
+  int64_t seqlen_q, seqlen_k;  // the longest sequence (dense: the sequence length)
+  int64_t rows_q, rows_k;      // rows of q / k per head and batch entry of the tensor (varlen: total)
+};
+
+// The arguments shared by the forward and backward schemas.
 struct AttentionOptions {
   double softmax_scale;
   bool causal;
@@ -25,6 +42,7 @@ struct AttentionOptions {
   std::optional<at::Tensor> alibi_slopes;
   double dropout_p;
   std::optional<at::Tensor> rng_state;
+  SequenceLayout layout;
 };
 
 // Which optional features a backend implements; the rest are refused with
@@ -46,6 +64,16 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                            const AttentionOptions& opts, const BackendFeatures& backend);
 
+// The sizes of inputs that passed check_forward_inputs.
+ProblemSizes problem_sizes(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts);
+
+// The values of cu_seqlens / seqused against each other and the tensors (cu_seqlens
+// starts at 0, never decreases and ends at the rows of q / k; no sequence is longer
+// than max_seqlen; seqused within its sequence). Reads them on the host: a device
+// synchronisation when they live on a GPU, so the CUDA backend skips it while a
+// CUDA graph is being captured (its kernels never read outside the tensors).
+void check_sequence_values(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts);
+
 // The window the kernels see: causal folded in, bounds past the sequence clamped to unbounded.
 std::pair<int, int> effective_window(const AttentionOptions& opts, int64_t seqlen_q,
                                      int64_t seqlen_k);
@@ -56,9 +84,15 @@ inline at::ScalarType lse_dtype(at::ScalarType q_dtype) {
   return q_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// Fresh outputs of the forward: out like q (batch, seqlen_q, nheads, head_dim) and
-// lse (batch, nheads, seqlen_q) fp32.
-std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(const at::Tensor& q);
+// Fresh outputs of the forward: out like q and lse (batch, nheads, seqlen_q), or
+// (nheads, total_q) for a variable-length q. With seqused_q the rows no kernel
+// writes are set already (out = 0, lse = +inf).
+std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(const at::Tensor& q,
+                                                            const AttentionOptions& opts);
+
+// Fresh dq, dk, dv like q, k, v; zero where seqused leaves rows no kernel writes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_backward_outputs(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& opts);
 
 // True when the call has nothing to compute (a zero-sized dimension). The outputs
 // are then already final: out = 0 and lse = +inf (no key visible) or empty.

@@ -8,18 +8,28 @@
 
 namespace flashattn {
 
+// Variable-length batches (flash-attn's varlen arguments); all absent: dense.
+#define FLASHATTN_SEQUENCE_ARGS                                                           \
+  const std::optional<at::Tensor>&cu_seqlens_q, const std::optional<at::Tensor>&cu_seqlens_k, \
+      const std::optional<at::Tensor>&seqused_q, const std::optional<at::Tensor>&seqused_k,   \
+      int64_t max_seqlen_q, int64_t max_seqlen_k
+
 #define FLASHATTN_FORWARD_ARGS                                                            \
   const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, double softmax_scale,   \
       bool causal, int64_t window_left, int64_t window_right, double softcap,           \
       const std::optional<at::Tensor>&alibi_slopes, double dropout_p,                    \
-      const std::optional<at::Tensor>&rng_state, bool deterministic
+      const std::optional<at::Tensor>&rng_state, bool deterministic, FLASHATTN_SEQUENCE_ARGS
 
 #define FLASHATTN_BACKWARD_ARGS                                                           \
   const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, \
       const at::Tensor &out, const at::Tensor &lse, double softmax_scale, bool causal,   \
       int64_t window_left, int64_t window_right, double softcap,                         \
       const std::optional<at::Tensor>&alibi_slopes, double dropout_p,                    \
-      const std::optional<at::Tensor>&rng_state, bool deterministic
+      const std::optional<at::Tensor>&rng_state, bool deterministic, FLASHATTN_SEQUENCE_ARGS
+
+// The names of the sequence arguments, in schema order (for forwarding calls).
+#define FLASHATTN_SEQUENCE_ARG_NAMES \
+  cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(FLASHATTN_BACKWARD_ARGS);

@@ -14,7 +14,9 @@
 namespace flashattn {
 
 // Layout of q/k/v/out/dout/dq/dk/dv is (batch, seqlen, nheads, head_dim) with a
-// contiguous last dimension; every other stride is carried as given (elements).
+// contiguous last dimension; every other stride is carried as given (elements). A
+// variable-length side, (total, nheads, head_dim), has batch stride 0: its sequences
+// start at their cu_seqlens row (sequence_info.h).
 struct TensorStrides {
   int64_t batch;
   int64_t row;
@@ -26,16 +28,26 @@ struct AttentionFwdParams {
   const void* k;
   const void* v;
   void* out;
-  float* lse;  // (batch, nheads_q, seqlen_q), contiguous
+  float* lse;  // (batch, nheads_q, seqlen_q), or (nheads_q, total_q) variable-length
 
   TensorStrides q_strides, k_strides, v_strides, out_strides;
+  TensorStrides lse_strides;  // row stride 1
 
   int batch;
   int nheads_q;
   int nheads_kv;  // nheads_q % nheads_kv == 0 (MQA/GQA)
-  int seqlen_q;
-  int seqlen_k;
+  int seqlen_q;   // the longest query sequence (dense: every one), <= rows_q
+  int seqlen_k;   // the longest key sequence, <= rows_k
+  int rows_q;     // rows of q per (batch entry, head): seqlen_q dense, total_q variable-length
+  int rows_k;
   int head_dim;  // multiple of 8, <= 256
+
+  // Variable-length batches (nullptr: dense; see sequence_info.h). cu_seqlens_*: batch + 1
+  // row offsets; seqused_*: rows used of each sequence.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  const int* seqused_q;
+  const int* seqused_k;
 
   float softmax_scale;
   float softmax_scale_log2;  // softmax_scale * log2(e)

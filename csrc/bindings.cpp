@@ -14,7 +14,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(FLASHATTN_FORWARD_ARGS) {
                        .findSchemaOrThrow("flashattn_ext::attention_forward", "")
                        .typed<decltype(flashattn::attention_forward_cpu)>();
   return op.call(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                 dropout_p, rng_state, deterministic);
+                 dropout_p, rng_state, deterministic, FLASHATTN_SEQUENCE_ARG_NAMES);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(FLASHATTN_BACKWARD_ARGS) {
@@ -22,7 +22,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(FLASHATTN_BACK
                        .findSchemaOrThrow("flashattn_ext::attention_backward", "")
                        .typed<decltype(flashattn::attention_backward_cpu)>();
   return op.call(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                 softcap, alibi_slopes, dropout_p, rng_state, deterministic);
+                 softcap, alibi_slopes, dropout_p, rng_state, deterministic, FLASHATTN_SEQUENCE_ARG_NAMES);
 }
 
 }  // namespace

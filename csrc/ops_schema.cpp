@@ -7,20 +7,32 @@
 // backend that lacks a feature refuses it with NotImplementedError.
 #include <torch/library.h>
 
+// The sequence arguments, shared by both ops. cu_seqlens_q (int32, batch + 1) makes q
+// variable-length: (total_q, nheads, head_dim), sequence b its rows cu_seqlens_q[b] ..
+// cu_seqlens_q[b + 1], max_seqlen_q at least the longest (likewise k and v with
+// cu_seqlens_k). seqused_q / seqused_k (int32, batch) keep only the first seqused[b]
+// rows of each sequence, varlen or dense; the rows past them get out = 0, lse = +inf
+// and zero gradients.
+#define FLASHATTN_SEQUENCE_SCHEMA                                                          \
+  "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_q=None, "        \
+  "Tensor? seqused_k=None, int max_seqlen_q=-1, int max_seqlen_k=-1"
+
 TORCH_LIBRARY(flashattn_ext, m) {
   // q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim).
-  // Returns out like q and lse (batch, nheads, seqlen_q) fp32, natural log; a row
+  // Returns out like q and lse (batch, nheads, seqlen_q) fp32 ((nheads, total_q) for a
+  // variable-length q), natural log; a row
   // that sees no key gets out = 0 and lse = +inf. `deterministic` does not change the
   // forward: it is the choice of backward, carried by the op so that its autograd
   // formula (flashattn_ext/ops.py) needs no state of its own.
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
       "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
-      "float dropout_p, Tensor? rng_state, bool deterministic=False) -> (Tensor out, Tensor lse)");
+      "float dropout_p, Tensor? rng_state, bool deterministic=False, " FLASHATTN_SEQUENCE_SCHEMA
+      ") -> (Tensor out, Tensor lse)");
   // Recomputes the attention blocks from q, k and the saved lse; never stores P.
   m.def(
       "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
-      "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic, "
+      FLASHATTN_SEQUENCE_SCHEMA ") -> (Tensor dq, Tensor dk, Tensor dv)");
 }

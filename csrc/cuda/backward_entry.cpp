@@ -59,7 +59,8 @@ struct BackwardLauncher {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(FLASHATTN_BACKWARD_ARGS) {
   const AttentionOptions opts{softmax_scale, causal,       window_left, window_right,
-                              softcap,       alibi_slopes, dropout_p,   rng_state};
+                              softcap,       alibi_slopes, dropout_p,   rng_state,
+                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}};
   check_backward_inputs(dout, q, k, v, out, lse, opts, cuda_features());
   check_cuda_device(q);
   const c10::cuda::CUDAGuard device_guard(q.device());

@@ -67,7 +67,7 @@ DeviceLimits device_limits(const at::Tensor& q) {
 
 at::Tensor with_16_byte_rows(const at::Tensor& t) {
   bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int64_t d = 0; d < 3; ++d)
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
     aligned = aligned && (t.size(d) <= 1 || (t.stride(d) * t.element_size()) % 16 == 0);
   return aligned ? t : t.clone(at::MemoryFormat::Contiguous);
 }

@@ -29,7 +29,8 @@ struct ForwardLauncher {
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS) {
   const AttentionOptions opts{softmax_scale, causal,  window_left, window_right,
-                              softcap,       alibi_slopes, dropout_p, rng_state};
+                              softcap,       alibi_slopes, dropout_p, rng_state,
+                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}};
   check_forward_inputs(q, k, v, opts, cuda_features());
   check_cuda_device(q);
   const c10::cuda::CUDAGuard device_guard(q.device());

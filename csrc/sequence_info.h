@@ -1,0 +1,68 @@
+// Where batch entry b's query and key rows are, for every layout the ops take: dense
+// (batch, seqlen, ...), variable-length (total, ...) with cu_seqlens offsets, and
+// seqused (only the first rows of each sequence count). The kernels and the
+// backward workspaces address rows only through this, so a new sequence layout
+// (a KV cache, pages) changes this file and not the main loops.
+#pragma once
+
+#include "attention_params.h"
+
+namespace flashattn {
+
+struct SequenceInfo {
+  int seqlen_q, seqlen_k;  // rows of this sequence
+  int q_offset, k_offset;  // its first row in q's / k's row dimension (0 dense)
+
+  // Bounds are clamped so that no value of cu_seqlens / seqused (checked on the host
+  // outside CUDA graph capture) makes a kernel touch rows outside the tensors or past
+  // the grid, which is sized by the longest sequence.
+  FLASHATTN_HOST_DEVICE SequenceInfo(const AttentionFwdParams& p, int b)
+      : seqlen_q(0), seqlen_k(0), q_offset(0), k_offset(0) {
+    side(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, p.rows_q, b, seqlen_q, q_offset);
+    side(p.cu_seqlens_k, p.seqused_k, p.seqlen_k, p.rows_k, b, seqlen_k, k_offset);
+  }
+
+  // Element (b, row, head, 0) of a tensor with these strides, row counted from the sequence start.
+  template <typename T>
+  FLASHATTN_HOST_DEVICE T* q_row(T* base, const TensorStrides& s, int b, int head, int row) const {
+    return base + b * s.batch + head * s.head + int64_t(q_offset + row) * s.row;
+  }
+  template <typename T>
+  FLASHATTN_HOST_DEVICE T* k_row(T* base, const TensorStrides& s, int b, int head, int row) const {
+    return base + b * s.batch + head * s.head + int64_t(k_offset + row) * s.row;
+  }
+  // lse of query `row` of head `head`.
+  FLASHATTN_HOST_DEVICE float* lse_row(const AttentionFwdParams& p, int b, int head, int row) const {
+    return p.lse + b * p.lse_strides.batch + head * p.lse_strides.head + int64_t(q_offset + row);
+  }
+  // The batch coordinate of a TMA tile map: variable-length tensors are mapped as one batch entry.
+  FLASHATTN_HOST_DEVICE static int q_map_batch(const AttentionFwdParams& p, int b) {
+    return p.cu_seqlens_q != nullptr ? 0 : b;
+  }
+  FLASHATTN_HOST_DEVICE static int k_map_batch(const AttentionFwdParams& p, int b) {
+    return p.cu_seqlens_k != nullptr ? 0 : b;
+  }
+  // Whether rows past a sequence's end, inside the tensor, can hold anything (the
+  // next sequence, rows seqused leaves out): the Hopper kernels' tile copies read
+  // them (only the dense tensor's own end is zero-filled by TMA).
+  FLASHATTN_HOST_DEVICE static bool keys_may_overrun(const AttentionFwdParams& p) {
+    return p.cu_seqlens_k != nullptr || p.seqused_k != nullptr;
+  }
+
+ private:
+  FLASHATTN_HOST_DEVICE static int clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+  FLASHATTN_HOST_DEVICE static void side(const int* cu, const int* used, int max_len, int rows, int b,
+                                         int& len, int& offset) {
+    if (cu != nullptr) {
+      offset = clamp(cu[b], 0, rows);
+      len = clamp(cu[b + 1] - offset, 0, rows - offset);
+    } else {
+      offset = 0;
+      len = rows;
+    }
+    if (used != nullptr) len = clamp(used[b], 0, len);
+    len = len < max_len ? len : max_len;
+  }
+};
+
+}  // namespace flashattn
