@@ -74,13 +74,16 @@ struct AttentionBwdParams : AttentionFwdParams {
   TensorStrides dout_strides, dq_strides, dk_strides, dv_strides;
 
   // fp32 workspaces, owned by the caller, laid out by the backward kernel's launch layer.
-  float* dq_accum;   // (batch, nheads_q, seqlen_q_rounded, head_dim_rounded), zeroed by the preprocess
-  float* softmax_d;  // (batch, nheads_q, seqlen_q_rounded): D = rowsum(dout * out)
-  float* lse_log2;   // (batch, nheads_q, seqlen_q_rounded): lse * log2(e), +inf for rows that see no key
+  // Rows as backward_workspace_row (backward_launch.h) lays them out.
+  float* dq_accum;   // (rows, head_dim_rounded), zeroed before the main kernel
+  float* softmax_d;  // (rows): D = rowsum(dout * out)
+  float* lse_log2;   // (rows): lse * log2(e), +inf for rows that see no key and padding
   int* dq_semaphore; // deterministic mode: one turn counter per (batch, head, query block)
 
-  int seqlen_q_rounded;
+  int seqlen_q_rounded;  // the longest query sequence, in whole 128-row blocks
   int head_dim_rounded;
+  int64_t workspace_batch_stride, workspace_head_stride;  // rows (backward_workspace_row)
+  int64_t workspace_rows;
   bool deterministic;
 };
 

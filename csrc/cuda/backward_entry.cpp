@@ -1,5 +1,6 @@
 // CUDA backward op: checks, device guard, gradients and fp32 workspaces, then the kernels for
 // q's dtype and head-dim tile on the current stream.
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -25,19 +26,16 @@ struct BackwardLauncher {
 
   template <int W>
   cudaError_t launch() const {
-    const BackwardWorkspaceGeometry geometry = backward_workspace_geometry(params.seqlen_q, W);
+    const BackwardWorkspaceGeometry geometry = backward_workspace_geometry(params, W);
     TORCH_CHECK(geometry.seqlen_q_rounded <= std::numeric_limits<int>::max(),
                 "flashattn_ext: seqlen_q ", params.seqlen_q, " is too long for the backward "
                 "workspaces (rounded up to ", geometry.seqlen_q_rounded, " rows)");
     const auto f32 = device_options.dtype(at::kFloat);
     // Allocated on the current stream, which the kernels run on, so freeing them when this
     // returns is safe with the caching allocator.
-    const at::Tensor dq_accum = at::empty(
-        {params.batch, params.nheads_q, geometry.seqlen_q_rounded, geometry.head_dim_rounded}, f32);
-    const at::Tensor softmax_d =
-        at::empty({params.batch, params.nheads_q, geometry.seqlen_q_rounded}, f32);
-    const at::Tensor lse_log2 =
-        at::empty({params.batch, params.nheads_q, geometry.seqlen_q_rounded}, f32);
+    const at::Tensor dq_accum = at::empty({geometry.workspace_rows, geometry.head_dim_rounded}, f32);
+    const at::Tensor softmax_d = at::empty({geometry.workspace_rows}, f32);
+    const at::Tensor lse_log2 = at::empty({geometry.workspace_rows}, f32);
     const at::Tensor semaphores = at::empty(
         {params.deterministic ? params.batch * int64_t{params.nheads_q} * geometry.semaphores_per_head
                               : 0},
@@ -50,6 +48,9 @@ struct BackwardLauncher {
     p.dq_semaphore = params.deterministic ? semaphores.data_ptr<int>() : nullptr;
     p.seqlen_q_rounded = static_cast<int>(geometry.seqlen_q_rounded);
     p.head_dim_rounded = static_cast<int>(geometry.head_dim_rounded);
+    p.workspace_batch_stride = geometry.batch_stride;
+    p.workspace_head_stride = geometry.head_stride;
+    p.workspace_rows = geometry.workspace_rows;
     return p.is_bf16 ? launch_attention_backward<__nv_bfloat16, W>(p, limits, stream)
                      : launch_attention_backward<__half, W>(p, limits, stream);
   }
@@ -65,9 +66,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(FLASHATTN
   check_cuda_device(q);
   const c10::cuda::CUDAGuard device_guard(q.device());
 
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
+    check_sequence_values(q, k, opts);
+  auto [dq, dk, dv] = allocate_backward_outputs(q, k, v, opts);
   if (is_empty_problem(q, k)) {
     // No query, or no key: every gradient is an empty sum.
     dq.zero_();

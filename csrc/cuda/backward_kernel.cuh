@@ -64,7 +64,9 @@
 
 #include "attention_mask.h"
 #include "attention_params.h"
+#include "backward_launch.h"
 #include "mma_primitives.cuh"
+#include "sequence_info.h"
 #include "smem_tile.cuh"
 
 namespace flashattn {
@@ -257,6 +259,8 @@ __device__ __forceinline__ void store_release(int* ptr, int v) {
 struct BackwardBlock {
   int n0, h_kv, b, group;
   int m_first, num_m, num_iters;
+  bool empty;  // the block starts past its sequence's last key (the grid fits the longest)
+  SequenceInfo seq;
   MaskGeometry mask;
 
   // The grid that the constructor decodes: key blocks x KV heads x batch.
@@ -265,15 +269,17 @@ struct BackwardBlock {
   }
 
   __device__ __forceinline__ BackwardBlock(const AttentionBwdParams& p, int kBlockM, int kBlockN)
-      : mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right} {
+      : seq(p, static_cast<int>(blockIdx.x / ((p.seqlen_k + kBlockN - 1) / kBlockN)) / p.nheads_kv),
+        mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right} {
     const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
     const int bh_kv = static_cast<int>(blockIdx.x / num_n_blocks);
     n0 = static_cast<int>(blockIdx.x % num_n_blocks) * kBlockN;
     h_kv = bh_kv % p.nheads_kv;
     b = bh_kv / p.nheads_kv;
     group = p.nheads_q / p.nheads_kv;
+    empty = n0 >= seq.seqlen_k;
     const int query_begin = mask.query_begin(n0);
-    const int query_end = mask.query_end(min(n0 + kBlockN, p.seqlen_k));
+    const int query_end = mask.query_end(min(n0 + kBlockN, seq.seqlen_k));
     m_first = query_begin / kBlockM;
     num_m = query_end > query_begin ? (query_end + kBlockM - 1) / kBlockM - m_first : 0;
     num_iters = group * num_m;
@@ -293,13 +299,6 @@ __device__ __forceinline__ void lane_visible_queries(const MaskGeometry& mask, i
   }
 }
 
-// Element (b, row, h, 0) of a (batch, seqlen, nheads, head_dim) tensor, in 64-bit arithmetic.
-template <typename T>
-__device__ __forceinline__ T* element_at(T* base, const TensorStrides& s, int b, int row, int h) {
-  return base + static_cast<int64_t>(b) * s.batch + static_cast<int64_t>(row) * s.row +
-         static_cast<int64_t>(h) * s.head;
-}
-
 // ---------------------------------------------------------------------------------------
 // 1. D = rowsum(dO ∘ O) and lse2 = lse·log2(e) for every (batch, head, padded query row).
 // Eight lanes share a row, each reading 16-byte chunks, so a row is read in 128-byte pieces.
@@ -310,6 +309,8 @@ template <typename Element>
 __global__ void __launch_bounds__(kPrepThreads) attention_backward_preprocess_kernel(
     const AttentionBwdParams p) {
   constexpr int kRowsPerBlock = kPrepThreads / kPrepLanesPerRow;
+  // (batch, head, row < seqlen_q_rounded), whatever the workspace layout: each sequence's rows
+  // and the padding up to its whole 128-row blocks.
   const int64_t rows = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q_rounded;
   const int sub = threadIdx.x % kPrepLanesPerRow;
   // The loop bound is uniform over the block, so every lane reaches the shuffles.
@@ -318,12 +319,15 @@ __global__ void __launch_bounds__(kPrepThreads) attention_backward_preprocess_ke
     const int64_t row = row0 + threadIdx.x / kPrepLanesPerRow;
     const int64_t bh = row / p.seqlen_q_rounded;
     const int i = static_cast<int>(row - bh * p.seqlen_q_rounded);
-    const bool real = row < rows && i < p.seqlen_q;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const SequenceInfo seq(p, row < rows ? b : 0);
+    const bool real = row < rows && i < seq.seqlen_q;
+    // A variable-length sequence owns only its own padded blocks of the workspace.
+    const bool owned = row < rows && (p.cu_seqlens_q == nullptr || i < round_up_rows(seq.seqlen_q));
     float acc = 0.f;
     if (real) {
-      const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
-      const Element* o = element_at(static_cast<const Element*>(p.out), p.out_strides, b, i, h);
-      const Element* d = element_at(static_cast<const Element*>(p.dout), p.dout_strides, b, i, h);
+      const Element* o = seq.q_row(static_cast<const Element*>(p.out), p.out_strides, b, h, i);
+      const Element* d = seq.q_row(static_cast<const Element*>(p.dout), p.dout_strides, b, h, i);
       for (int c = sub * 8; c < p.head_dim; c += 8 * kPrepLanesPerRow) {
         const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
         const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
@@ -337,9 +341,10 @@ __global__ void __launch_bounds__(kPrepThreads) attention_backward_preprocess_ke
 #pragma unroll
     for (int offset = 1; offset < kPrepLanesPerRow; offset *= 2)
       acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (row < rows && sub == 0) {
-      p.softmax_d[row] = acc;
-      p.lse_log2[row] = real ? p.lse[bh * p.seqlen_q + i] * 1.4426950408889634f : INFINITY;
+    if (owned && sub == 0) {
+      const int64_t w = backward_workspace_row(p, seq.q_offset, b, h) + i;
+      p.softmax_d[w] = acc;
+      p.lse_log2[w] = real ? *seq.lse_row(p, b, h, i) * 1.4426950408889634f : INFINITY;
     }
   }
 }
@@ -359,7 +364,10 @@ __global__ void __launch_bounds__(kPostThreads) attention_backward_postprocess_k
     const int64_t r = idx / chunks;
     const int i = static_cast<int>(r % p.seqlen_q);
     const int64_t bh = r / p.seqlen_q;
-    const float* src = p.dq_accum + (bh * p.seqlen_q_rounded + i) * p.head_dim_rounded + c * 8;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const SequenceInfo seq(p, b);
+    if (i >= seq.seqlen_q) continue;
+    const float* src = p.dq_accum + (backward_workspace_row(p, seq.q_offset, b, h) + i) * p.head_dim_rounded + c * 8;
     const float4 lo = *reinterpret_cast<const float4*>(src);
     const float4 hi = *reinterpret_cast<const float4*>(src + 4);
     const float s = p.softmax_scale;
@@ -368,9 +376,7 @@ __global__ void __launch_bounds__(kPostThreads) attention_backward_postprocess_k
     packed.y = MmaElement<Element>::pack(lo.z * s, lo.w * s);
     packed.z = MmaElement<Element>::pack(hi.x * s, hi.y * s);
     packed.w = MmaElement<Element>::pack(hi.z * s, hi.w * s);
-    Element* dst = element_at(static_cast<Element*>(p.dq), p.dq_strides,
-                              static_cast<int>(bh / p.nheads_q), i,
-                              static_cast<int>(bh % p.nheads_q));
+    Element* dst = seq.q_row(static_cast<Element*>(p.dq), p.dq_strides, b, h, i);
     *reinterpret_cast<uint4*>(dst + c * 8) = packed;
   }
 }
@@ -406,6 +412,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const int dq_col0 = (warp / Tile::kDqWarpsQ) * Tile::kDqColsPerWarp;
 
   const BackwardBlock blk(p, BM, BN);
+  if (blk.empty) return;
+  const SequenceInfo& seq = blk.seq;
+  const int64_t workspace_sequence = backward_workspace_sequence(p, seq.q_offset, blk.b);
   const int n0 = blk.n0, h_kv = blk.h_kv, b = blk.b, group = blk.group;
   const int m_first = blk.m_first, num_m = blk.num_m, num_iters = blk.num_iters;
   const int m_last = m_first + num_m - 1;
@@ -420,14 +429,14 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     const int m0 = m_block * BM;
     QTile::template load_async<kThreads>(
         smem_base + Tile::kOffQ + stage * QTile::kBytes,
-        element_at(static_cast<const Element*>(p.q), p.q_strides, b, m0, h), p.q_strides.row,
-        p.seqlen_q - m0, p.head_dim, tid);
+        seq.q_row(static_cast<const Element*>(p.q), p.q_strides, b, h, m0), p.q_strides.row,
+        seq.seqlen_q - m0, p.head_dim, tid);
     QTile::template load_async<kThreads>(
         smem_base + Tile::kOffDO + stage * QTile::kBytes,
-        element_at(static_cast<const Element*>(p.dout), p.dout_strides, b, m0, h),
-        p.dout_strides.row, p.seqlen_q - m0, p.head_dim, tid);
+        seq.q_row(static_cast<const Element*>(p.dout), p.dout_strides, b, h, m0),
+        p.dout_strides.row, seq.seqlen_q - m0, p.head_dim, tid);
     // The workspaces are padded to whole blocks, so these 16-byte copies are always in range.
-    const int64_t row = (static_cast<int64_t>(b) * p.nheads_q + h) * p.seqlen_q_rounded + m0;
+    const int64_t row = workspace_sequence + h * p.workspace_head_stride + m0;
     if (tid < BM / 4) {
       cp_async_16(smem_base + Tile::kOffLse + stage * BM * 4 + tid * 16, p.lse_log2 + row + tid * 4,
                   true);
@@ -444,12 +453,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (num_iters > 0) {
     KVTile::template load_async<kThreads>(
         smem_base + Tile::kOffK,
-        element_at(static_cast<const Element*>(p.k), p.k_strides, b, n0, h_kv), p.k_strides.row,
-        p.seqlen_k - n0, p.head_dim, tid);
+        seq.k_row(static_cast<const Element*>(p.k), p.k_strides, b, h_kv, n0), p.k_strides.row,
+        seq.seqlen_k - n0, p.head_dim, tid);
     KVTile::template load_async<kThreads>(
         smem_base + Tile::kOffV,
-        element_at(static_cast<const Element*>(p.v), p.v_strides, b, n0, h_kv), p.v_strides.row,
-        p.seqlen_k - n0, p.head_dim, tid);
+        seq.k_row(static_cast<const Element*>(p.v), p.v_strides, b, h_kv, n0), p.v_strides.row,
+        seq.seqlen_k - n0, p.head_dim, tid);
     load_query_block(h_kv * group, m_last, 0);
     cp_async_commit();
   }
@@ -498,7 +507,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     {
       float s[kQTiles][4] = {};
       mma_a_bt<Element, KVTile, QTile, W, kQTiles>(s, k_as_a, q_stage + qdo_as_bt);
-      const bool masked = !mask.tile_fully_visible(m0, min(m0 + BM, p.seqlen_q), n0, n0 + BN);
+      const bool masked = !mask.tile_fully_visible(m0, min(m0 + BM, seq.seqlen_q), n0, n0 + BN);
 #pragma unroll
       for (int j = 0; j < kQTiles; ++j) {
         const int col = query_col0 + 8 * j + 2 * t;
@@ -585,10 +594,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       __syncthreads();
     }
     // This lane's first element of the dQ tile; the rest are at compile-time offsets.
-    float* dq_lane = p.dq_accum +
-                     ((static_cast<int64_t>(b) * p.nheads_q + h) * p.seqlen_q_rounded + m0) * W +
+    float* dq_lane = p.dq_accum + (workspace_sequence + h * p.workspace_head_stride + m0) * W +
                      (dq_row0 + g) * W + dq_col0 + 2 * t;
-    const int dq_rows_left = p.seqlen_q - m0 - dq_row0 - g;
+    const int dq_rows_left = seq.seqlen_q - m0 - dq_row0 - g;
 #pragma unroll 1
     for (int chunk = 0; chunk < W; chunk += Tile::kDqChunk) {
       float acc[kDqMTiles][kDqNTiles][4] = {};
@@ -642,9 +650,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
                                      p.softmax_scale);
   store_accumulator<Element, KVTile>(smem + Tile::kOffV, acc_dv, key_row0, dim_col0, lane, 1.f);
   __syncthreads();
-  Element* dk = element_at(static_cast<Element*>(p.dk), p.dk_strides, b, n0, h_kv);
-  Element* dv = element_at(static_cast<Element*>(p.dv), p.dv_strides, b, n0, h_kv);
-  const int valid_rows = min(BN, p.seqlen_k - n0);
+  Element* dk = seq.k_row(static_cast<Element*>(p.dk), p.dk_strides, b, h_kv, n0);
+  Element* dv = seq.k_row(static_cast<Element*>(p.dv), p.dv_strides, b, h_kv, n0);
+  const int valid_rows = min(BN, seq.seqlen_k - n0);
   for (int chunk = tid; chunk < BN * KVTile::kChunksPerRow; chunk += kThreads) {
     const int row = chunk / KVTile::kChunksPerRow;
     const int col = (chunk % KVTile::kChunksPerRow) * 8;

@@ -217,6 +217,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const auto empty = [&](int stage) { return barriers + 8 * (1 + kStages + stage); };
 
   const backward::BackwardBlock blk(p, BM, BN);
+  if (blk.empty) return;
+  const SequenceInfo& seq = blk.seq;
+  const int64_t workspace_sequence = backward_workspace_sequence(p, seq.q_offset, blk.b);
   const int n0 = blk.n0, h_kv = blk.h_kv, b = blk.b, group = blk.group;
   // Iteration it: query head h_kv * group + it / num_m, query block m_first + it % num_m.
   const int m_first = blk.m_first, num_m = blk.num_m, num_iters = blk.num_iters;
@@ -239,16 +242,17 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::prefetch_tensor_map(&args.q_map);
       sm90::prefetch_tensor_map(&args.do_map);
       sm90::mbarrier_arrive_expect_bytes(kv_full, 2 * Shape::kKVBytes);
-      sm90::tma_load_tile<Shape::kColumnBlocks>(k_smem, &args.k_map, kv_full, BN, n0, h_kv, b);
-      sm90::tma_load_tile<Shape::kColumnBlocks>(v_smem, &args.v_map, kv_full, BN, n0, h_kv, b);
+      const int k_batch = SequenceInfo::k_map_batch(p, b), q_batch = SequenceInfo::q_map_batch(p, b);
+      sm90::tma_load_tile<Shape::kColumnBlocks>(k_smem, &args.k_map, kv_full, BN, seq.k_offset + n0, h_kv, k_batch);
+      sm90::tma_load_tile<Shape::kColumnBlocks>(v_smem, &args.v_map, kv_full, BN, seq.k_offset + n0, h_kv, k_batch);
       for (int it = 0; it < num_iters; ++it) {
         const int stage = it % kStages;
         if (it >= kStages) sm90::mbarrier_wait(empty(stage), ((it / kStages) + 1) & 1);
         const int h = h_kv * group + it / num_m;
-        const int m0 = (m_first + it % num_m) * BM;
+        const int m0 = seq.q_offset + (m_first + it % num_m) * BM;
         sm90::mbarrier_arrive_expect_bytes(full(stage), Shape::kStageBytes);
-        sm90::tma_load_tile<Shape::kColumnBlocks>(q_smem(stage), &args.q_map, full(stage), BM, m0, h, b);
-        sm90::tma_load_tile<Shape::kColumnBlocks>(do_smem(stage), &args.do_map, full(stage), BM, m0, h, b);
+        sm90::tma_load_tile<Shape::kColumnBlocks>(q_smem(stage), &args.q_map, full(stage), BM, m0, h, q_batch);
+        sm90::tma_load_tile<Shape::kColumnBlocks>(do_smem(stage), &args.do_map, full(stage), BM, m0, h, q_batch);
       }
     }
     return;
@@ -293,7 +297,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const auto fetch_row_stat = [&](int it) {
     const int h = h_kv * group + it / num_m;
     const int m0 = (m_first + it % num_m) * BM;
-    const int64_t row = (static_cast<int64_t>(b) * p.nheads_q + h) * p.seqlen_q_rounded + m0;
+    const int64_t row = workspace_sequence + h * p.workspace_head_stride + m0;
     return stat_index < BM ? __ldg(p.lse_log2 + row + stat_index) : __ldg(p.softmax_d + row + stat_index - BM);
   };
   float* const row_stat_buffers = reinterpret_cast<float*>(base_ptr + Shape::kOffLse);  // [lse2 x 2][D x 2]
@@ -303,7 +307,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   };
   if (num_iters > 0) {
     if (stat_index < 2 * BM) store_row_stat(0, fetch_row_stat(0));
-    sm90::named_barrier_sync(1, Shape::kConsumerThreads);
+    sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
     sm90::mbarrier_wait(kv_full, 0);
   }
   for (int it = 0; it < num_iters; ++it) {
@@ -333,7 +337,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     float2 lse2[NQ / 8], dsum[NQ / 8];
     backward::load_row_stats<NQ>(lse2, row_stat_buffers + buf * BM + wg_query0, t);
     const int wg_key_begin = n0 + wg_key0, wg_query_begin = m0 + wg_query0;
-    if (mask.tile_fully_visible(wg_query_begin, min(wg_query_begin + NQ, p.seqlen_q), wg_key_begin,
+    if (mask.tile_fully_visible(wg_query_begin, min(wg_query_begin + NQ, seq.seqlen_q), wg_key_begin,
                                 wg_key_begin + Shape::kKeysPerWarpgroup))
       backward::scores_to_probabilities<false, NQ>(s, lse2, p.softmax_scale_log2, wg_query_begin, visible_begin,
                                                    visible_end, t);
@@ -378,7 +382,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     backward::store_score_tile<Element, NQ>(base_ptr + score_offset(buf, 0), dp, key_row0, wg_query0 / 8, g, t);
     if (prefetch) store_row_stat(it + 1, next_row_stat);
     sm90::fence_shared_to_async_proxy();
-    sm90::named_barrier_sync(1, Shape::kConsumerThreads);
+    sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
 
     const uint32_t ds_tile = base + score_offset(buf, 0);
     if constexpr (kSplit) {
@@ -416,11 +420,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     // Rows past seqlen_q would only add zeros: skip them. Columns past head_dim add zeros to the
     // padding of dq_accum, which nothing reads.
-    float* dq_rows = p.dq_accum + ((static_cast<int64_t>(b) * p.nheads_q + h) * p.seqlen_q_rounded + m0) * W;
+    float* dq_rows = p.dq_accum + (workspace_sequence + h * p.workspace_head_stride + m0) * W;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_row + g + 8 * half;
-      if (m0 + row < p.seqlen_q) {
+      if (m0 + row < seq.seqlen_q) {
 #pragma unroll
         for (int j = 0; j < Shape::kDqColumns / 8; ++j)
           backward::red_add_pair(dq_rows + row * W + dq_col0 + 8 * j + 2 * t, dq[4 * j + 2 * half],
@@ -431,12 +435,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
   // dK·scale and dV, straight from the accumulators: rows < seqlen_k, columns < head_dim (a
   // multiple of 8, so a pair is wholly in or out).
-  Element* dk = backward::element_at(static_cast<Element*>(p.dk), p.dk_strides, b, n0, h_kv);
-  Element* dv = backward::element_at(static_cast<Element*>(p.dv), p.dv_strides, b, n0, h_kv);
+  Element* dk = seq.k_row(static_cast<Element*>(p.dk), p.dk_strides, b, h_kv, n0);
+  Element* dv = seq.k_row(static_cast<Element*>(p.dv), p.dv_strides, b, h_kv, n0);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = key_row0 + g + 8 * half;
-    if (n0 + row < p.seqlen_k) {
+    if (n0 + row < seq.seqlen_k) {
 #pragma unroll
       for (int j = 0; j < NA / 8; ++j) {
         const int col = acc_col0 + 8 * j + 2 * t;

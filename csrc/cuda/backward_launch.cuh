@@ -23,7 +23,8 @@ static_assert(kQueryRowRounding == kBackwardQueryRowRounding && kMinBlockM == kB
 //  - registers: a warp owns 16 key rows; its dK + dV accumulators cost W / kWarpsD fp32
 //    registers per thread and the Sᵀ/dPᵀ accumulators BM / kWarpsD / 2 more, so W <= 128 runs
 //    kWarpsD = 1 with BM = 64 (128 + 64 at W = 128), W = 192/256 split the head dimension over
-//    a warp pair (kWarpsD = 2). The dQ chunk keeps its accumulators at 24-48 registers.
+//    a warp pair (kWarpsD = 2). The dQ chunk keeps its accumulators at 16-48 registers (W = 192
+//    takes 64 columns at a time: with the per-sequence bounds of varlen batches, 192 spilled).
 //  - shared memory: K, V (BN rows), kStages x (Q, dO) (BM rows), dSᵀ (+ Pᵀ when kWarpsD = 2),
 //    all padded by 16 bytes a row. Large plans (8 warps, BN = 128 for W <= 128, 64 above) need
 //    59 / 91 / 123 / 155 / 169 / 217 KB for W = 32 ... 256: d 256 fits the 227 KB a Hopper
@@ -54,7 +55,7 @@ struct BackwardPlans<128> {
 };
 template <>
 struct BackwardPlans<192> {
-  using Large = BackwardTile<192, 64, 64, 2, 2, 2, 192>;
+  using Large = BackwardTile<192, 64, 64, 2, 2, 2, 64>;
   using Small = BackwardTile<192, 32, 32, 2, 2, 1, 192>;
 };
 template <>
@@ -74,8 +75,7 @@ template <typename Element, typename LaunchMain>
 cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream,
                                 const LaunchMain& launch_main) {
   const int64_t heads = static_cast<int64_t>(p.batch) * p.nheads_q;
-  cudaError_t err = cudaMemsetAsync(
-      p.dq_accum, 0, sizeof(float) * heads * p.seqlen_q_rounded * p.head_dim_rounded, stream);
+  cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * p.workspace_rows * p.head_dim_rounded, stream);
   if (err != cudaSuccess) return err;
   if (p.deterministic) {
     err = cudaMemsetAsync(p.dq_semaphore, 0,
@@ -121,10 +121,13 @@ cudaError_t launch_attention_backward(const AttentionBwdParams& params, const De
       params.seqlen_q_rounded < params.seqlen_q)
     return cudaErrorInvalidValue;
   // The Hopper main kernel has no deterministic dQ order: deterministic calls stay on the
-  // sm_80 kernel's semaphores.
+  // sm_80 kernel's semaphores. Nor does it zero the rows its tile copies bring from past a
+  // sequence's end (the forward does, for V): with seqused those rows may hold anything, and
+  // the sm_80 kernel's copies zero-fill them.
   using HopperShape = typename Sm90BackwardPlan<kHeadDimTile>::Shape;
   if constexpr (!std::is_void_v<HopperShape>) {
-    if (limits.hopper_kernels && !params.deterministic &&
+    const bool rows_past_end_unused = params.seqused_q != nullptr || params.seqused_k != nullptr;
+    if (limits.hopper_kernels && !params.deterministic && !rows_past_end_unused &&
         HopperShape::kSmemBytes <= limits.max_smem_per_block) {
       Sm90BackwardArgs args;
       if (make_backward_sm90_args<Element, HopperShape>(params, &args))

@@ -13,13 +13,18 @@
 namespace flashattn {
 
 // What the caller allocates (fp32 / int32, all uninitialised; the launch zeroes what it needs):
-//   dq_accum  (batch, nheads_q, seqlen_q_rounded, head_dim_rounded)
-//   softmax_d, lse_log2  (batch, nheads_q, seqlen_q_rounded)
+//   dq_accum  (workspace_rows, head_dim_rounded)
+//   softmax_d, lse_log2  (workspace_rows)
 //   dq_semaphore  batch * nheads_q * semaphores_per_head, only when deterministic
+// Dense q: rows are (batch, nheads_q, seqlen_q_rounded). Variable-length q: (nheads_q, rows_q
+// + 128 batch, rounded up to 128), each sequence from its first row + 128 b, rounded down
+// to 128 (backward_workspace_row), so that its padded blocks end before the next sequence's.
 struct BackwardWorkspaceGeometry {
-  int64_t seqlen_q_rounded;
+  int64_t seqlen_q_rounded;  // the longest sequence, rounded up to whole 128-row blocks
   int64_t head_dim_rounded;
   int64_t semaphores_per_head;
+  int64_t batch_stride, head_stride;  // in rows
+  int64_t workspace_rows;
 };
 
 // Must agree with backward::kQueryRowRounding and backward::kMinBlockM (backward_kernel.cuh,
@@ -27,14 +32,40 @@ struct BackwardWorkspaceGeometry {
 constexpr int kBackwardQueryRowRounding = 128;
 constexpr int kBackwardMinBlockM = 16;
 
-inline BackwardWorkspaceGeometry backward_workspace_geometry(int64_t seqlen_q, int head_dim_tile) {
-  const int64_t rounded =
-      (seqlen_q + kBackwardQueryRowRounding - 1) / kBackwardQueryRowRounding * kBackwardQueryRowRounding;
-  return {rounded, head_dim_tile, rounded / kBackwardMinBlockM};
+FLASHATTN_HOST_DEVICE int64_t round_up_rows(int64_t rows) {
+  return (rows + kBackwardQueryRowRounding - 1) / kBackwardQueryRowRounding * kBackwardQueryRowRounding;
 }
 
-// params must carry the workspace pointers and seqlen_q_rounded / head_dim_rounded from
-// backward_workspace_geometry(params.seqlen_q, kHeadDimTile).
+inline BackwardWorkspaceGeometry backward_workspace_geometry(const AttentionFwdParams& p, int head_dim_tile) {
+  const int64_t rounded = round_up_rows(p.seqlen_q);
+  BackwardWorkspaceGeometry g{rounded, head_dim_tile, rounded / kBackwardMinBlockM, 0, 0, 0};
+  if (p.cu_seqlens_q != nullptr) {
+    g.head_stride = round_up_rows(int64_t{p.rows_q} + int64_t{kBackwardQueryRowRounding} * p.batch);
+    g.workspace_rows = g.head_stride * p.nheads_q;
+  } else {
+    g.head_stride = rounded;
+    g.batch_stride = rounded * p.nheads_q;
+    g.workspace_rows = g.batch_stride * p.batch;
+  }
+  return g;
+}
+
+// Workspace row of query 0 of head h of sequence b, whose first row in q is q_offset:
+// backward_workspace_sequence(p, q_offset, b) + h * p.workspace_head_stride (the first part
+// is computed once per thread block).
+FLASHATTN_HOST_DEVICE int64_t backward_workspace_sequence(const AttentionBwdParams& p, int q_offset, int b) {
+  const int64_t start = p.cu_seqlens_q == nullptr
+                            ? 0
+                            : (int64_t{q_offset} + int64_t{kBackwardQueryRowRounding} * b) /
+                                  kBackwardQueryRowRounding * kBackwardQueryRowRounding;
+  return b * p.workspace_batch_stride + start;
+}
+FLASHATTN_HOST_DEVICE int64_t backward_workspace_row(const AttentionBwdParams& p, int q_offset, int b, int h) {
+  return backward_workspace_sequence(p, q_offset, b) + h * p.workspace_head_stride;
+}
+
+// params must carry the workspace pointers and the geometry of
+// backward_workspace_geometry(params, kHeadDimTile).
 template <typename Element, int kHeadDimTile>
 cudaError_t launch_attention_backward(const AttentionBwdParams& params, const DeviceLimits& limits,
                                       cudaStream_t stream);

@@ -47,14 +47,14 @@ struct Sm90BackwardPlan<256> {
 template <typename Element, typename Shape>
 bool make_backward_sm90_args(const AttentionBwdParams& params, Sm90BackwardArgs* args) {
   args->params = params;
-  return encode_tile_map<Element>(&args->q_map, params.q, params.q_strides, params.head_dim, params.seqlen_q,
-                                  params.nheads_q, params.batch, Shape::kBlockM) &&
+  return encode_tile_map<Element>(&args->q_map, params.q, params.q_strides, params.head_dim, params.rows_q,
+                                  params.nheads_q, q_map_batches(params), Shape::kBlockM) &&
          encode_tile_map<Element>(&args->do_map, params.dout, params.dout_strides, params.head_dim,
-                                  params.seqlen_q, params.nheads_q, params.batch, Shape::kBlockM) &&
-         encode_tile_map<Element>(&args->k_map, params.k, params.k_strides, params.head_dim, params.seqlen_k,
-                                  params.nheads_kv, params.batch, Shape::kBlockN) &&
-         encode_tile_map<Element>(&args->v_map, params.v, params.v_strides, params.head_dim, params.seqlen_k,
-                                  params.nheads_kv, params.batch, Shape::kBlockN);
+                                  params.rows_q, params.nheads_q, q_map_batches(params), Shape::kBlockM) &&
+         encode_tile_map<Element>(&args->k_map, params.k, params.k_strides, params.head_dim, params.rows_k,
+                                  params.nheads_kv, k_map_batches(params), Shape::kBlockN) &&
+         encode_tile_map<Element>(&args->v_map, params.v, params.v_strides, params.head_dim, params.rows_k,
+                                  params.nheads_kv, k_map_batches(params), Shape::kBlockN);
 }
 
 // The main kernel only; the workspaces must already hold D, lse2 and a zeroed dQ accumulator.

@@ -32,6 +32,7 @@
 #include "attention_mask.h"
 #include "attention_params.h"
 #include "mma_primitives.cuh"
+#include "sequence_info.h"
 #include "smem_tile.cuh"
 
 namespace flashattn {
@@ -155,11 +156,14 @@ __device__ __forceinline__ void softmax_update(float (&acc_s)[kMTiles][kNTiles][
 
 // What one thread block of the forward owns: a block of kBlockM query rows of
 // one (batch, head), and the key blocks [n_block_first, n_block_last] the mask
-// lets those rows see (none when last < first).
+// lets those rows see (none when last < first). The grid is sized by the longest
+// sequence; a block past its own sequence's end owns nothing (`empty`).
 struct ForwardBlock {
   int m_begin, head, batch, kv_head;
   int n_block_first, n_block_last;
   int valid_q_rows;
+  bool empty;
+  SequenceInfo seq;
   MaskGeometry mask;
 
   // The grid that the constructor decodes: query blocks x heads x batch.
@@ -168,27 +172,35 @@ struct ForwardBlock {
   }
 
   __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN)
-      : mask{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right} {
+      : seq(params, decode_batch(params, kBlockM)),
+        mask{seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right} {
     // Flattened grid (one dimension never overflows for batch * heads > 65535):
     // query blocks vary fastest, heaviest (last) blocks first for causal balance.
     const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-    const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
     const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
     head = bh % params.nheads_q;
     batch = bh / params.nheads_q;
     kv_head = head / (params.nheads_q / params.nheads_kv);
+    // Within a shorter sequence the heaviest block is its own last one, so the
+    // order counts down from there and the blocks past its end come last.
+    const int seq_m_blocks = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+    const int m_block = seq_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
+    empty = m_block < 0;
     m_begin = m_block * kBlockM;
-    valid_q_rows = params.seqlen_q - m_begin;
+    valid_q_rows = seq.seqlen_q - m_begin;
     n_block_first = mask.key_begin(m_begin) / kBlockN;
-    n_block_last = (mask.key_end(min(m_begin + kBlockM, params.seqlen_q)) + kBlockN - 1) / kBlockN - 1;
+    n_block_last = (mask.key_end(min(m_begin + kBlockM, seq.seqlen_q)) + kBlockN - 1) / kBlockN - 1;
+  }
+  __device__ __forceinline__ static int decode_batch(const AttentionFwdParams& params, int kBlockM) {
+    const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+    return static_cast<int>(blockIdx.x / num_m_blocks) / params.nheads_q;
   }
   template <typename Element>
   __device__ __forceinline__ Element* out_rows(const AttentionFwdParams& params) const {
-    return static_cast<Element*>(params.out) + batch * params.out_strides.batch +
-           head * params.out_strides.head + int64_t(m_begin) * params.out_strides.row;
+    return seq.q_row(static_cast<Element*>(params.out), params.out_strides, batch, head, m_begin);
   }
   __device__ __forceinline__ float* lse_rows(const AttentionFwdParams& params) const {
-    return params.lse + (int64_t(batch) * params.nheads_q + head) * params.seqlen_q + m_begin;
+    return seq.lse_row(params, batch, head, m_begin);
   }
 };
 
@@ -243,17 +255,16 @@ __global__ void __launch_bounds__(Shape::kThreads)
   const auto v_smem = [&](int stage) { return k_smem(stage) + KVTile::kBytes; };
 
   const ForwardBlock blk(params, kBlockM, kBlockN);
+  if (blk.empty) return;
   const int thread = threadIdx.x;
   const int warp = thread / 32, lane = thread % 32;
   const MaskGeometry& mask = blk.mask;
   const int m_begin = blk.m_begin;
 
-  const Element* q_ptr = static_cast<const Element*>(params.q) + blk.batch * params.q_strides.batch +
-                         blk.head * params.q_strides.head + int64_t(m_begin) * params.q_strides.row;
-  const Element* k_ptr = static_cast<const Element*>(params.k) + blk.batch * params.k_strides.batch +
-                         blk.kv_head * params.k_strides.head;
-  const Element* v_ptr = static_cast<const Element*>(params.v) + blk.batch * params.v_strides.batch +
-                         blk.kv_head * params.v_strides.head;
+  const SequenceInfo& seq = blk.seq;
+  const Element* q_ptr = seq.q_row(static_cast<const Element*>(params.q), params.q_strides, blk.batch, blk.head, m_begin);
+  const Element* k_ptr = seq.k_row(static_cast<const Element*>(params.k), params.k_strides, blk.batch, blk.kv_head, 0);
+  const Element* v_ptr = seq.k_row(static_cast<const Element*>(params.v), params.v_strides, blk.batch, blk.kv_head, 0);
   Element* out_ptr = blk.out_rows<Element>(params);
   float* lse_ptr = blk.lse_rows(params);
 
@@ -282,10 +293,10 @@ __global__ void __launch_bounds__(Shape::kThreads)
     const auto load_kv_block = [&](int stage, int n_block) {
       const int n0 = n_block * kBlockN;
       KVTile::template load_async<Shape::kThreads>(k_smem(stage), k_ptr + n0 * params.k_strides.row,
-                                                   params.k_strides.row, params.seqlen_k - n0,
+                                                   params.k_strides.row, seq.seqlen_k - n0,
                                                    params.head_dim, thread);
       KVTile::template load_async<Shape::kThreads>(v_smem(stage), v_ptr + n0 * params.v_strides.row,
-                                                   params.v_strides.row, params.seqlen_k - n0,
+                                                   params.v_strides.row, seq.seqlen_k - n0,
                                                    params.head_dim, thread);
     };
     // Prologue: the first kStages - 1 blocks in flight, one commit group each

@@ -103,6 +103,8 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
   const auto kv_empty = [&](int stage) { return barriers + 8 * (1 + 2 * kStages + stage); };
 
   const ForwardBlock blk(params, kBlockM, kBlockN);
+  if (blk.empty) return;
+  const SequenceInfo& seq = blk.seq;
   const int num_blocks = blk.n_block_last - blk.n_block_first + 1;  // <= 0: no visible key
   const int warpgroup = threadIdx.x / 128;
 
@@ -125,17 +127,19 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       sm90::prefetch_tensor_map(&args.v_map);
       constexpr int kColumnBlocks = Shape::kColumnBlocks;
       sm90::mbarrier_arrive_expect_bytes(q_full, Shape::kQBytes);
-      sm90::tma_load_tile<kColumnBlocks>(q_smem, &args.q_map, q_full, kBlockM, blk.m_begin, blk.head, blk.batch);
+      sm90::tma_load_tile<kColumnBlocks>(q_smem, &args.q_map, q_full, kBlockM, seq.q_offset + blk.m_begin, blk.head,
+                                         SequenceInfo::q_map_batch(params, blk.batch));
+      const int k_batch = SequenceInfo::k_map_batch(params, blk.batch);
       for (int it = 0; it < num_blocks; ++it) {
         const int stage = it % kStages;
         if (it >= kStages) sm90::mbarrier_wait(kv_empty(stage), ((it / kStages) + 1) & 1);
-        const int n0 = (blk.n_block_last - it) * kBlockN;
+        const int n0 = seq.k_offset + (blk.n_block_last - it) * kBlockN;
         sm90::mbarrier_arrive_expect_bytes(k_full(stage), Shape::kKVBytes);
         sm90::tma_load_tile<kColumnBlocks>(k_smem(stage), &args.k_map, k_full(stage), kBlockN, n0,
-                                           blk.kv_head, blk.batch);
+                                           blk.kv_head, k_batch);
         sm90::mbarrier_arrive_expect_bytes(v_full(stage), Shape::kKVBytes);
         sm90::tma_load_tile<kColumnBlocks>(v_smem(stage), &args.v_map, v_full(stage), kBlockN, n0,
-                                           blk.kv_head, blk.batch);
+                                           blk.kv_head, k_batch);
       }
     }
   } else {
@@ -208,10 +212,20 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     }
     // O = O * correction + P_it V_it, issued and committed; the stage is handed
     // back to the producer once it has completed.
+    // Keys past the sequence's end have P = 0, but the rows of V the copy brought for
+    // them belong to the next sequence or to rows seqused leaves out, and 0 * inf or NaN
+    // there would reach O: the block that straddles the end (the first one) zeroes them.
+    const int v_rows_valid = seq.seqlen_k - blk.n_block_last * kBlockN;
+    const bool zero_v_tail = SequenceInfo::keys_may_overrun(params) && v_rows_valid < kBlockN;
     const auto issue_pv = [&](int it) {
       const int stage = it % kStages;
       rescale_output(acc_o, corrections);
       sm90::mbarrier_wait(v_full(stage), (it / kStages) & 1);
+      if (it == 0 && zero_v_tail) {
+        sm90::zero_tile_rows<Shape::kColumnBlocks>(v_smem(stage), kBlockN, v_rows_valid, threadIdx.x - 128,
+                                                   Shape::kConsumerWarpgroups * 128);
+        sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerWarpgroups * 128);
+      }
       sm90::fence_registers(acc_o_flat);
       sm90::wgmma_fence();
   #pragma unroll

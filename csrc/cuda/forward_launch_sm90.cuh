@@ -50,12 +50,12 @@ cudaError_t launch_forward_sm90(const AttentionFwdParams& params, cudaStream_t s
   Sm90ForwardArgs args{};
   args.params = params;
   const bool mapped =
-      encode_tile_map<Element>(&args.q_map, params.q, params.q_strides, params.head_dim, params.seqlen_q,
-                               params.nheads_q, params.batch, Shape::kBlockM) &&
-      encode_tile_map<Element>(&args.k_map, params.k, params.k_strides, params.head_dim, params.seqlen_k,
-                               params.nheads_kv, params.batch, Shape::kBlockN) &&
-      encode_tile_map<Element>(&args.v_map, params.v, params.v_strides, params.head_dim, params.seqlen_k,
-                               params.nheads_kv, params.batch, Shape::kBlockN);
+      encode_tile_map<Element>(&args.q_map, params.q, params.q_strides, params.head_dim, params.rows_q,
+                               params.nheads_q, q_map_batches(params), Shape::kBlockM) &&
+      encode_tile_map<Element>(&args.k_map, params.k, params.k_strides, params.head_dim, params.rows_k,
+                               params.nheads_kv, k_map_batches(params), Shape::kBlockN) &&
+      encode_tile_map<Element>(&args.v_map, params.v, params.v_strides, params.head_dim, params.rows_k,
+                               params.nheads_kv, k_map_batches(params), Shape::kBlockN);
   if (!mapped) return cudaSuccess;
   *launched = true;
   return launch_on_flat_grid(attention_forward_sm90_kernel<Element, Shape>,

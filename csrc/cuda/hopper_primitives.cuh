@@ -78,10 +78,30 @@ __device__ __forceinline__ void fence_shared_to_async_proxy() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The named barriers of the Hopper kernels, one list (id 0 is __syncthreads).
+enum NamedBarrier : int {
+  kConsumersBarrier = 1,  // every consumer thread of the block
+};
+
 // Barrier `id` (1..15; 0 is __syncthreads) that completes once `threads` threads (whole
 // warps) have reached it, so some warpgroups of a block can synchronise without the others.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+__device__ __forceinline__ void named_barrier_sync(NamedBarrier id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(threads) : "memory");
+}
+
+// Zeroes rows [row_begin, rows) of a tile that tma_load_tile filled (each of its column
+// blocks is `rows` rows of 128 bytes; the swizzle moves 16-byte pieces only within a row),
+// with the `threads` threads of `thread` 0.., then fences for the async proxy. The callers
+// synchronise before any product reads the tile.
+template <int kColumnBlocks>
+__device__ __forceinline__ void zero_tile_rows(uint32_t tile, int rows, int row_begin, int thread, int threads) {
+  const int pieces_per_block = (rows - row_begin) * (kSwizzleBytes / 16);
+  for (int i = thread; i < kColumnBlocks * pieces_per_block; i += threads) {
+    const uint32_t addr = tile + (i / pieces_per_block) * rows * kSwizzleBytes + row_begin * kSwizzleBytes +
+                          (i % pieces_per_block) * 16;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+  }
+  fence_shared_to_async_proxy();
 }
 
 // A (rows x kColumnBlocks * 64) tile of a 4-d map, row0 .. row0 + rows - 1 of (head, batch),

@@ -56,4 +56,9 @@ bool encode_tile_map(CUtensorMap* map, const void* base, const TensorStrides& st
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The batch extent of q's / k's maps: a variable-length tensor is one batch entry
+// (SequenceInfo::q_map_batch gives its coordinate, 0).
+inline int q_map_batches(const AttentionFwdParams& p) { return p.cu_seqlens_q != nullptr ? 1 : p.batch; }
+inline int k_map_batches(const AttentionFwdParams& p) { return p.cu_seqlens_k != nullptr ? 1 : p.batch; }
+
 }  // namespace flashattn
