@@ -9,6 +9,12 @@
 
 namespace flashattn {
 
+// Element (b, row, head, 0) of a tensor with strides s (64-bit row arithmetic).
+template <typename T>
+FLASHATTN_HOST_DEVICE T* element_row(T* base, const TensorStrides& s, int b, int head, int64_t row) {
+  return base + b * s.batch + head * s.head + row * s.row;
+}
+
 struct SequenceInfo {
   int seqlen_q, seqlen_k;  // rows of this sequence
   int q_offset, k_offset;  // its first row in q's / k's row dimension (0 dense)
@@ -25,11 +31,11 @@ struct SequenceInfo {
   // Element (b, row, head, 0) of a tensor with these strides, row counted from the sequence start.
   template <typename T>
   FLASHATTN_HOST_DEVICE T* q_row(T* base, const TensorStrides& s, int b, int head, int row) const {
-    return base + b * s.batch + head * s.head + int64_t(q_offset + row) * s.row;
+    return element_row(base, s, b, head, int64_t{q_offset} + row);
   }
   template <typename T>
   FLASHATTN_HOST_DEVICE T* k_row(T* base, const TensorStrides& s, int b, int head, int row) const {
-    return base + b * s.batch + head * s.head + int64_t(k_offset + row) * s.row;
+    return element_row(base, s, b, head, int64_t{k_offset} + row);
   }
   // lse of query `row` of head `head`.
   FLASHATTN_HOST_DEVICE float* lse_row(const AttentionFwdParams& p, int b, int head, int row) const {

@@ -536,10 +536,12 @@ AttentionOptions make_options(double softmax_scale, bool causal, int64_t window_
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS) {
-  const AttentionOptions opts = make_options(softmax_scale, causal, window_left, window_right,
-                                             softcap, alibi_slopes, dropout_p, rng_state);
+  AttentionOptions opts = make_options(softmax_scale, causal, window_left, window_right,
+                                       softcap, alibi_slopes, dropout_p, rng_state);
+  opts.layout = SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES};
   check_forward_inputs(q, k, v, opts, kCpuBackend);
-  auto [out, lse] = allocate_forward_outputs(q);
+  TORCH_CHECK_NOT_IMPLEMENTED(!opts.layout.varlen_q() && !opts.layout.varlen_k() && !opts.layout.seqused_q && !opts.layout.seqused_k, "varlen on CPU: pending");
+  auto [out, lse] = allocate_forward_outputs(q, opts);
   if (is_empty_problem(q, k)) {
     out.zero_();
     lse.fill_(std::numeric_limits<float>::infinity());
@@ -556,9 +558,11 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
   // Both passes are deterministic whatever `deterministic` says.
   static_cast<void>(deterministic);
-  const AttentionOptions opts = make_options(softmax_scale, causal, window_left, window_right,
-                                             softcap, alibi_slopes, dropout_p, rng_state);
+  AttentionOptions opts = make_options(softmax_scale, causal, window_left, window_right,
+                                       softcap, alibi_slopes, dropout_p, rng_state);
+  opts.layout = SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES};
   check_backward_inputs(dout, q, k, v, out, lse, opts, kCpuBackend);
+  TORCH_CHECK_NOT_IMPLEMENTED(!opts.layout.varlen_q() && !opts.layout.varlen_k() && !opts.layout.seqused_q && !opts.layout.seqused_k, "varlen on CPU: pending");
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());

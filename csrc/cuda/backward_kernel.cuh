@@ -381,6 +381,25 @@ __global__ void __launch_bounds__(kPostThreads) attention_backward_postprocess_k
   }
 }
 
+// A sequence's rows as the main kernel addresses them (SequenceInfo and the workspace row).
+struct BlockSequence {
+  int seqlen_q, seqlen_k, q_offset, k_offset;
+  int64_t workspace_row;  // of query 0 of head 0 (backward_workspace_sequence)
+
+  __device__ __forceinline__ MaskGeometry mask(const AttentionBwdParams& p) const {
+    return MaskGeometry{seqlen_q, seqlen_k, p.window_left, p.window_right};
+  }
+
+  template <typename T>
+  __device__ __forceinline__ T* q_row(T* base, const TensorStrides& s, int b, int head, int row) const {
+    return element_row(base, s, b, head, int64_t{q_offset} + row);
+  }
+  template <typename T>
+  __device__ __forceinline__ T* k_row(T* base, const TensorStrides& s, int b, int head, int row) const {
+    return element_row(base, s, b, head, int64_t{k_offset} + row);
+  }
+};
+
 // ---------------------------------------------------------------------------------------
 // 2. The main kernel (see the header comment).
 template <typename Element, typename Tile>
@@ -413,15 +432,19 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 
   const BackwardBlock blk(p, BM, BN);
   if (blk.empty) return;
-  const SequenceInfo& seq = blk.seq;
-  const int64_t workspace_sequence = backward_workspace_sequence(p, seq.q_offset, blk.b);
+  // The sequence's bounds, read from shared memory where the loop needs them: held in
+  // registers through it, they pushed the W = 96 ... 192 tiles into spills.
+  __shared__ BlockSequence block_sequence;
+  if (tid == 0)
+    block_sequence = {blk.seq.seqlen_q, blk.seq.seqlen_k, blk.seq.q_offset, blk.seq.k_offset,
+                      backward_workspace_sequence(p, blk.seq.q_offset, blk.b)};
+  __syncthreads();
+  const BlockSequence& seq = block_sequence;
   const int n0 = blk.n0, h_kv = blk.h_kv, b = blk.b, group = blk.group;
   const int m_first = blk.m_first, num_m = blk.num_m, num_iters = blk.num_iters;
   const int m_last = m_first + num_m - 1;
-  const MaskGeometry& mask = blk.mask;
-
   int visible_begin[2], visible_end[2];
-  lane_visible_queries(mask, n0 + key_row0 + g, visible_begin, visible_end);
+  lane_visible_queries(blk.mask, n0 + key_row0 + g, visible_begin, visible_end);
 
   // The iterations walk the query heads of the group in order and, per head, the query blocks
   // from m_last down to m_first.
@@ -436,7 +459,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         seq.q_row(static_cast<const Element*>(p.dout), p.dout_strides, b, h, m0),
         p.dout_strides.row, seq.seqlen_q - m0, p.head_dim, tid);
     // The workspaces are padded to whole blocks, so these 16-byte copies are always in range.
-    const int64_t row = workspace_sequence + h * p.workspace_head_stride + m0;
+    const int64_t row = seq.workspace_row + h * p.workspace_head_stride + m0;
     if (tid < BM / 4) {
       cp_async_16(smem_base + Tile::kOffLse + stage * BM * 4 + tid * 16, p.lse_log2 + row + tid * 4,
                   true);
@@ -507,7 +530,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     {
       float s[kQTiles][4] = {};
       mma_a_bt<Element, KVTile, QTile, W, kQTiles>(s, k_as_a, q_stage + qdo_as_bt);
-      const bool masked = !mask.tile_fully_visible(m0, min(m0 + BM, seq.seqlen_q), n0, n0 + BN);
+      const bool masked = !seq.mask(p).tile_fully_visible(m0, min(m0 + BM, seq.seqlen_q), n0, n0 + BN);
 #pragma unroll
       for (int j = 0; j < kQTiles; ++j) {
         const int col = query_col0 + 8 * j + 2 * t;
@@ -586,7 +609,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       semaphore = p.dq_semaphore +
                   (static_cast<int64_t>(b) * p.nheads_q + h) * (p.seqlen_q_rounded / kMinBlockM) +
                   m_block;
-      turn = n0 / BN - mask.key_begin(m0) / BN;
+      turn = n0 / BN - seq.mask(p).key_begin(m0) / BN;
       if (tid == 0) {
         while (load_acquire(semaphore) != turn) {
         }
@@ -594,7 +617,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       __syncthreads();
     }
     // This lane's first element of the dQ tile; the rest are at compile-time offsets.
-    float* dq_lane = p.dq_accum + (workspace_sequence + h * p.workspace_head_stride + m0) * W +
+    float* dq_lane = p.dq_accum + (seq.workspace_row + h * p.workspace_head_stride + m0) * W +
                      (dq_row0 + g) * W + dq_col0 + 2 * t;
     const int dq_rows_left = seq.seqlen_q - m0 - dq_row0 - g;
 #pragma unroll 1

@@ -23,8 +23,9 @@ static_assert(kQueryRowRounding == kBackwardQueryRowRounding && kMinBlockM == kB
 //  - registers: a warp owns 16 key rows; its dK + dV accumulators cost W / kWarpsD fp32
 //    registers per thread and the Sᵀ/dPᵀ accumulators BM / kWarpsD / 2 more, so W <= 128 runs
 //    kWarpsD = 1 with BM = 64 (128 + 64 at W = 128), W = 192/256 split the head dimension over
-//    a warp pair (kWarpsD = 2). The dQ chunk keeps its accumulators at 16-48 registers (W = 192
-//    takes 64 columns at a time: with the per-sequence bounds of varlen batches, 192 spilled).
+//    a warp pair (kWarpsD = 2). The dQ chunk keeps its accumulators at 16-48 registers (W = 128
+//    takes 64 columns at a time over 4 row groups: with the per-sequence bounds of varlen
+//    batches, 128 columns over 2 spilled 4-16 bytes).
 //  - shared memory: K, V (BN rows), kStages x (Q, dO) (BM rows), dSᵀ (+ Pᵀ when kWarpsD = 2),
 //    all padded by 16 bytes a row. Large plans (8 warps, BN = 128 for W <= 128, 64 above) need
 //    59 / 91 / 123 / 155 / 169 / 217 KB for W = 32 ... 256: d 256 fits the 227 KB a Hopper
@@ -50,12 +51,12 @@ struct BackwardPlans<96> {
 };
 template <>
 struct BackwardPlans<128> {
-  using Large = BackwardTile<128, 128, 64, 1, 2, 2, 128>;
+  using Large = BackwardTile<128, 128, 64, 1, 2, 4, 64>;
   using Small = BackwardTile<128, 64, 32, 1, 2, 1, 128>;
 };
 template <>
 struct BackwardPlans<192> {
-  using Large = BackwardTile<192, 64, 64, 2, 2, 2, 64>;
+  using Large = BackwardTile<192, 64, 64, 2, 2, 2, 192>;
   using Small = BackwardTile<192, 32, 32, 2, 2, 1, 192>;
 };
 template <>
