@@ -492,6 +492,7 @@ void forward_pass(const std::vector<Part<acc_t>>& parts) {
       at::Tensor inverse = inverse_sums.narrow(0, 0, t.rows);
       softmax.inverse_sums(inverse);
       head_rows(out, t.b, t.h, t.i0, t.rows).copy_(acc.mul_(inverse.unsqueeze(1)));
+      // (`template`: a structured binding is a dependent name inside a template.)
       acc_t* const lse_rows =
           lse.template data_ptr<acc_t>() + t.b * lse.stride(0) + t.h * lse.stride(1) + t.i0 * lse.stride(2);
       for (int64_t r = 0; r < t.rows; ++r) {
