@@ -2,7 +2,8 @@
 
 Hand-written CUDA kernels and a tiled C++ CPU implementation behind two ops,
 ``torch.ops.flashattn_ext.attention_forward`` and ``attention_backward``, and a
-flash-attn 2.x compatible Python API on top of them.
+flash-attn 2.x compatible Python API on top of them: flash_attn_func and its packed
+forms, and the variable-length flash_attn_varlen_func and its packed forms.
 """
 
 import importlib.machinery
@@ -51,7 +52,14 @@ try:
 except ImportError as e:
     raise ImportError(_extension_import_error(e, os.path.dirname(os.path.abspath(__file__)))) from e
 from . import ops  # noqa: F401  (fake kernels and autograd of the ops)
-from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 
 
 def build_info() -> dict:
@@ -70,4 +78,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
 ]

@@ -9,13 +9,16 @@ whether the Python layer or the op caught the problem.
 The same functions run in the fake (meta) kernels of flashattn_ext/ops.py, so a
 bad call fails while torch.compile traces, with the message the real kernel
 would give. They read only metadata (shapes, strides, dtypes, devices), never
-data, so they are safe on FakeTensors and symbolic shapes.
+data, so they are safe on FakeTensors and symbolic shapes. The values of
+cu_seqlens / seqused (non-decreasing, within max_seqlen, ...) are data: only the
+kernels check them (check_sequence_values in csrc/attention_api.cpp).
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -25,6 +28,7 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_ALIGNMENT = 8
 
 LAYOUT = "(batch, seqlen, nheads, head_dim)"
+VARLEN_LAYOUT = "(total, nheads, head_dim)"
 
 # dtypes the kernels of each device type implement. "meta" carries no data: any
 # dtype some backend supports is allowed there, so shape propagation works.
@@ -36,6 +40,55 @@ SUPPORTED_DTYPES = {"cpu": CPU_DTYPES, "cuda": CUDA_DTYPES, "meta": CPU_DTYPES}
 def lse_dtype(q_dtype: torch.dtype) -> torch.dtype:
     """As lse_dtype() in csrc/attention_api.h: fp64 for fp64 inputs, else fp32."""
     return torch.float64 if q_dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceLayout:
+    """The ops' sequence arguments (SequenceLayout in csrc/attention_api.h); all absent:
+    dense. cu_seqlens_q (int32, batch + 1) makes q variable-length, (total_q, nheads,
+    head_dim), with max_seqlen_q >= its longest sequence; likewise k and v with
+    cu_seqlens_k. seqused_q / seqused_k (int32, batch) keep the first seqused[b] rows
+    of each sequence."""
+
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    seqused_q: Optional[torch.Tensor] = None
+    seqused_k: Optional[torch.Tensor] = None
+    max_seqlen_q: int = -1
+    max_seqlen_k: int = -1
+
+    @property
+    def varlen_q(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def varlen_k(self) -> bool:
+        return self.cu_seqlens_k is not None
+
+    @property
+    def is_dense(self) -> bool:
+        return all(t is None for t in (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q,
+                                       self.seqused_k))
+
+    def op_args(self) -> tuple:
+        """The ops' trailing arguments, in schema order."""
+        return (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q, self.seqused_k,
+                self.max_seqlen_q, self.max_seqlen_k)
+
+
+DENSE = SequenceLayout()
+
+
+def batch_of(q: torch.Tensor, layout: SequenceLayout):
+    """The number of sequences: q's dim 0, or len(cu_seqlens_q) - 1."""
+    return layout.cu_seqlens_q.size(0) - 1 if layout.varlen_q else q.size(0)
+
+
+def lse_shape(q: torch.Tensor, layout: SequenceLayout) -> list:
+    """(batch, nheads, seqlen_q), or (nheads, total_q) for a variable-length q."""
+    if layout.varlen_q:
+        return [q.size(1), q.size(0)]
+    return [q.size(0), q.size(2), q.size(1)]
 
 
 def _shape(t: torch.Tensor) -> list:
@@ -55,7 +108,16 @@ def check_rank(t: torch.Tensor, name: str, rank: int = 4, layout: str = LAYOUT) 
         )
 
 
+def check_sequence_rank(t: torch.Tensor, name: str, varlen: bool) -> None:
+    """q, k, v, out, dout: 4-d dense, 3-d when that side is variable-length."""
+    if varlen:
+        check_rank(t, name, 3, f"{VARLEN_LAYOUT} (cu_seqlens given)")
+    else:
+        check_rank(t, name, 4, f"{LAYOUT} (no cu_seqlens given)")
+
+
 def check_size(t: torch.Tensor, name: str, dim: int, dim_name: str, expected, expected_from: str) -> None:
+    dim = dim + t.dim() if dim < 0 else dim
     if t.size(dim) != expected:
         raise RuntimeError(
             f"flashattn_ext: {name} {dim_name} (dim {dim}) must match {expected_from}: "
@@ -103,23 +165,25 @@ def check_last_dim_contiguous(t: torch.Tensor, name: str) -> None:
         )
 
 
-def check_head_dim_limit(head_dim, name: str = "q") -> None:
+def check_head_dim_limit(head_dim) -> None:
     if head_dim > MAX_HEAD_DIM:
         raise RuntimeError(
-            f"flashattn_ext: head_dim ({name} dim 3) must be at most {MAX_HEAD_DIM}, got {head_dim}"
+            f"flashattn_ext: head_dim (q's last dim) must be at most {MAX_HEAD_DIM}, got {head_dim}"
         )
 
 
 def check_head_dim_aligned(head_dim) -> None:
     if head_dim % HEAD_DIM_ALIGNMENT != 0:
         raise RuntimeError(
-            f"flashattn_ext: head_dim (q dim 3) must be a multiple of {HEAD_DIM_ALIGNMENT} "
+            f"flashattn_ext: head_dim (q's last dim) must be a multiple of {HEAD_DIM_ALIGNMENT} "
             f"(flash_attn_func pads it), got {head_dim}"
         )
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_layout: bool) -> None:
-    """Shapes, dtypes, devices and strides of q, k, v.
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_layout: bool,
+              layout: SequenceLayout = DENSE) -> None:
+    """Shapes, dtypes, devices and strides of q, k, v, and the metadata of the
+    sequence arguments, in the order of check_forward_inputs (csrc/attention_api.cpp).
 
     ``kernel_layout`` is True for the op itself, whose head dim must be a
     multiple of 8 and unit-stride, and False for flash_attn_func, which pads
@@ -127,35 +191,88 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel_layou
     """
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         check_is_tensor(t, name)
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        check_rank(t, name)
+    check_sequence_rank(q, "q", layout.varlen_q)
+    check_sequence_rank(k, "k", layout.varlen_k)
+    check_sequence_rank(v, "v", layout.varlen_k)
     check_same_device(k, "k", q)
     check_same_device(v, "v", q)
     check_same_dtype(k, "k", q)
     check_same_dtype(v, "v", q)
     check_dtype_supported(q)
 
-    batch, _, nheads, head_dim = q.shape
-    nheads_kv = k.size(2)
-    check_size(k, "k", 0, "batch size", batch, "q")
-    check_size(v, "v", 0, "batch size", batch, "q")
-    check_size(v, "v", 1, "seqlen", k.size(1), "k")
-    check_size(v, "v", 2, "nheads", nheads_kv, "k")
-    check_size(k, "k", 3, "head_dim", head_dim, "q")
-    check_size(v, "v", 3, "head_dim", head_dim, "q")
+    nheads, head_dim = q.size(-2), q.size(-1)
+    nheads_kv = k.size(-2)
+    if not layout.varlen_k:
+        check_size(v, "v", 0, "batch size", k.size(0), "k")
+    check_size(v, "v", -3, "total rows" if layout.varlen_k else "seqlen", k.size(-3), "k")
+    check_size(v, "v", -2, "nheads", nheads_kv, "k")
+    check_size(k, "k", -1, "head_dim", head_dim, "q")
+    check_size(v, "v", -1, "head_dim", head_dim, "q")
     check_head_dim_limit(head_dim)
     if kernel_layout:
         check_head_dim_aligned(head_dim)
     if nheads_kv == 0 and nheads != 0:
-        raise RuntimeError("flashattn_ext: k nheads (dim 2) must be positive when q has heads, got 0")
+        raise RuntimeError(
+            f"flashattn_ext: k nheads (dim {k.dim() - 2}) must be positive when q has heads, got 0")
     if nheads_kv != 0 and nheads % nheads_kv != 0:
         raise RuntimeError(
-            f"flashattn_ext: q nheads (dim 2) must be a multiple of k nheads (dim 2): "
-            f"got {nheads} and {nheads_kv}"
+            f"flashattn_ext: q nheads (dim {q.dim() - 2}) must be a multiple of k nheads "
+            f"(dim {k.dim() - 2}): got {nheads} and {nheads_kv}"
         )
     if kernel_layout:
         for t, name in ((q, "q"), (k, "k"), (v, "v")):
             check_last_dim_contiguous(t, name)
+    check_sequence_layout(q, k, layout)
+
+
+def check_sequence_tensor(t: Optional[torch.Tensor], name: str, expected_len, expected_from: str,
+                          q: torch.Tensor) -> None:
+    """cu_seqlens (batch + 1) or seqused (batch): int32, 1-d, contiguous, on q's device."""
+    if t is None:
+        return
+    check_is_tensor(t, name)
+    check_same_device(t, name, q)
+    if t.dtype != torch.int32:
+        raise RuntimeError(f"flashattn_ext: {name} must be int32, got {t.dtype}")
+    if t.dim() != 1:
+        raise RuntimeError(f"flashattn_ext: {name} must have 1 dimension, got shape {_shape(t)}")
+    if t.size(0) != expected_len:
+        raise RuntimeError(
+            f"flashattn_ext: {name} must have {expected_from} = {expected_len} elements, got {t.size(0)}")
+    if t.size(0) > 1 and t.stride(0) != 1:
+        raise RuntimeError(f"flashattn_ext: {name} must be contiguous: got stride {t.stride(0)}, expected 1")
+
+
+def check_sequence_layout(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout) -> None:
+    """The sequence arguments against q and k (check_sequence_layout in csrc/attention_api.cpp)."""
+    for cu, name in ((layout.cu_seqlens_q, "cu_seqlens_q"), (layout.cu_seqlens_k, "cu_seqlens_k")):
+        if cu is not None:
+            check_is_tensor(cu, name)
+            if cu.dim() != 1 or cu.size(0) < 1:
+                raise RuntimeError(
+                    f"flashattn_ext: {name} must be 1-d with batch + 1 >= 1 elements, got shape {_shape(cu)}")
+    batch = batch_of(q, layout)
+    if layout.varlen_q:
+        check_sequence_tensor(layout.cu_seqlens_q, "cu_seqlens_q", batch + 1, "batch + 1", q)
+        if layout.max_seqlen_q < 0:
+            raise RuntimeError("flashattn_ext: max_seqlen_q must be given (>= 0) with cu_seqlens_q, "
+                               f"got {layout.max_seqlen_q}")
+    elif not (layout.max_seqlen_q < 0 or layout.max_seqlen_q == q.size(1)):
+        raise RuntimeError("flashattn_ext: max_seqlen_q without cu_seqlens_q must be -1 or q's seqlen "
+                           f"(dim 1) = {q.size(1)}, got {layout.max_seqlen_q}")
+    if layout.varlen_k:
+        check_sequence_tensor(layout.cu_seqlens_k, "cu_seqlens_k", batch + 1,
+                              "the length of cu_seqlens_q" if layout.varlen_q else "q's batch + 1", q)
+        if layout.max_seqlen_k < 0:
+            raise RuntimeError("flashattn_ext: max_seqlen_k must be given (>= 0) with cu_seqlens_k, "
+                               f"got {layout.max_seqlen_k}")
+    else:
+        check_size(k, "k", 0, "batch size", batch, "cu_seqlens_q's length - 1" if layout.varlen_q else "q")
+        if not (layout.max_seqlen_k < 0 or layout.max_seqlen_k == k.size(1)):
+            raise RuntimeError("flashattn_ext: max_seqlen_k without cu_seqlens_k must be -1 or k's seqlen "
+                               f"(dim 1) = {k.size(1)}, got {layout.max_seqlen_k}")
+    check_sequence_tensor(layout.seqused_q, "seqused_q", batch, "batch", q)
+    check_sequence_tensor(layout.seqused_k, "seqused_k", batch, "batch", q)
 
 
 def check_softmax_scale(softmax_scale) -> None:
@@ -210,14 +327,15 @@ def check_window_size(window_size) -> tuple:
     return operator.index(left), operator.index(right)
 
 
-def check_alibi_slopes(alibi_slopes: Optional[torch.Tensor], q: torch.Tensor) -> None:
+def check_alibi_slopes(alibi_slopes: Optional[torch.Tensor], q: torch.Tensor,
+                       layout: SequenceLayout = DENSE) -> None:
     if alibi_slopes is None:
         return
     check_is_tensor(alibi_slopes, "alibi_slopes")
     check_same_device(alibi_slopes, "alibi_slopes", q)
     if alibi_slopes.dtype != torch.float32:
         raise RuntimeError(f"flashattn_ext: alibi_slopes must be float32, got {alibi_slopes.dtype}")
-    batch, nheads = q.size(0), q.size(2)
+    batch, nheads = batch_of(q, layout), q.size(-2)
     shape = tuple(alibi_slopes.shape)
     if shape not in ((nheads,), (batch, nheads)):
         raise RuntimeError(
@@ -245,24 +363,25 @@ def check_rng_state(rng_state: Optional[torch.Tensor], dropout_p) -> None:
 
 
 def check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
-                       *, kernel_layout: bool) -> None:
+                       *, kernel_layout: bool, layout: SequenceLayout = DENSE) -> None:
     """Every check of the op's forward arguments except the per-backend feature
-    support (softcap/ALiBi/dropout), which only the C++ backend knows."""
-    check_qkv(q, k, v, kernel_layout=kernel_layout)
+    support (softcap/ALiBi/dropout), which only the C++ backend knows, and the
+    values of the sequence tensors."""
+    check_qkv(q, k, v, kernel_layout=kernel_layout, layout=layout)
     check_softmax_scale(softmax_scale)
     check_dropout_p(dropout_p)
     check_softcap(softcap)
-    check_alibi_slopes(alibi_slopes, q)
+    check_alibi_slopes(alibi_slopes, q, layout)
     check_rng_state(rng_state, dropout_p)
 
 
 def check_backward_args(dout, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, dropout_p,
-                        rng_state) -> None:
+                        rng_state, layout: SequenceLayout = DENSE) -> None:
     check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
-                       kernel_layout=True)
+                       kernel_layout=True, layout=layout)
     for t, name in ((dout, "dout"), (out, "out")):
         check_is_tensor(t, name)
-        check_rank(t, name)
+        check_sequence_rank(t, name, layout.varlen_q)
         check_same_device(t, name, q)
         check_same_dtype(t, name, q)
         if t.shape != q.shape:
@@ -276,18 +395,26 @@ def check_backward_args(dout, q, k, v, out, lse, softmax_scale, softcap, alibi_s
         expected = str(lse_dtype(q.dtype)).removeprefix("torch.")
         raise RuntimeError(f"flashattn_ext: lse must be {expected} (float64 for float64 inputs, "
                            f"else float32), got {lse.dtype}")
-    expected = [q.size(0), q.size(2), q.size(1)]
+    expected = lse_shape(q, layout)
     if list(lse.shape) != expected:
-        raise RuntimeError(
-            f"flashattn_ext: lse must have shape (batch, nheads, seqlen_q) = {expected}, got {_shape(lse)}"
-        )
+        names = "(nheads, total_q)" if layout.varlen_q else "(batch, nheads, seqlen_q)"
+        raise RuntimeError(f"flashattn_ext: lse must have shape {names} = {expected}, got {_shape(lse)}")
 
 
-def check_packed(t: torch.Tensor, name: str, count: int, layout: str) -> None:
-    """qkv (batch, seqlen, 3, nheads, head_dim) or kv (batch, seqlen, 2, nheads_kv, head_dim)."""
+def check_packed(t: torch.Tensor, name: str, count: int, layout: str, packed_dim: int = 2) -> None:
+    """qkv (batch, seqlen, 3, nheads, head_dim) or kv (batch, seqlen, 2, nheads_kv, head_dim);
+    variable-length, packed_dim 1: qkv (total, 3, nheads, head_dim), kv (total_k, 2, ...)."""
     check_is_tensor(t, name)
-    check_rank(t, name, rank=5, layout=layout)
-    if t.size(2) != count:
+    check_rank(t, name, rank=packed_dim + 3, layout=layout)
+    if t.size(packed_dim) != count:
         raise RuntimeError(
-            f"flashattn_ext: {name} dim 2 must be {count} {layout}: got {t.size(2)}, expected {count}"
+            f"flashattn_ext: {name} dim {packed_dim} must be {count} {layout}: "
+            f"got {t.size(packed_dim)}, expected {count}"
         )
+
+
+def check_max_seqlen(max_seqlen, name: str) -> int:
+    """max_seqlen_q / max_seqlen_k of the varlen functions: an int (>= 0, which the op checks)."""
+    if not _is_int(max_seqlen):
+        raise TypeError(f"flashattn_ext: {name} must be an int, got {type(max_seqlen).__name__}")
+    return max_seqlen if isinstance(max_seqlen, torch.SymInt) else operator.index(max_seqlen)

@@ -1,9 +1,13 @@
 """flash-attn 2.x compatible functions: flash_attn_func, flash_attn_qkvpacked_func,
-flash_attn_kvpacked_func.
+flash_attn_kvpacked_func, and their variable-length forms flash_attn_varlen_func,
+flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func.
 
 Same argument names, defaults and return conventions as flash-attn 2.x; layout
-(batch, seqlen, nheads, head_dim); MQA/GQA when nheads of k/v divides that of q;
-causal with seqlen_q != seqlen_k aligned bottom-right (flash-attn >= 2.1).
+(batch, seqlen, nheads, head_dim), or (total, nheads, head_dim) for the varlen
+functions, whose sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] (int32,
+batch + 1 entries); MQA/GQA when nheads of k/v divides that of q; causal with
+seqlen_q != seqlen_k aligned bottom-right (flash-attn >= 2.1), per sequence in
+the varlen functions (as are the sliding window and ALiBi).
 
 Strides: every stride but the last goes to the kernel as given (no copy), so
 slices of a packed qkv tensor, transposed storage and expanded heads all run in
@@ -22,6 +26,10 @@ Differences from flash-attn, all deliberate:
   none through it (as in flash-attn, whose backward ignores it too).
 * A row that sees no key (possible with a sliding window, or causal with
   seqlen_q > seqlen_k) gets out = 0 and lse = +inf.
+* flash_attn_varlen_func also takes FA3's keyword-only seqused_q / seqused_k
+  (int32, (batch,)): only the first seqused[b] rows of sequence b count; the rows
+  past them get out = 0, lse = +inf and zero gradients. Its block_table (paged KV)
+  raises NotImplementedError.
 * Devices: CPU (fp32, fp64, bf16, fp16; every feature but dropout) and CUDA
   (fp16, bf16) where the build has the CUDA kernels.
 """
@@ -78,8 +86,10 @@ def _draw_rng_state(device: torch.device) -> torch.Tensor:
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs):
-    checks.check_qkv(q, k, v, kernel_layout=False)
+               deterministic, return_attn_probs, layout: checks.SequenceLayout = checks.DENSE):
+    """Every public function: checks, then one forward op call (whose autograd formula
+    is registered in ops.py) on the operands in the op's layout."""
+    checks.check_qkv(q, k, v, kernel_layout=False, layout=layout)
     window_left, window_right = checks.check_window_size(window_size)
     head_dim = q.size(-1)
     softmax_scale = _softmax_scale(softmax_scale, head_dim)
@@ -87,13 +97,13 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     checks.check_dropout_p(dropout_p)
     softcap = float(softcap)
     checks.check_softcap(softcap)
-    checks.check_alibi_slopes(alibi_slopes, q)
+    checks.check_alibi_slopes(alibi_slopes, q, layout)
 
     rng_state = _draw_rng_state(q.device) if dropout_p > 0.0 else None
 
     out, lse = ops.attention_forward(*_kernel_operands(q, k, v), softmax_scale, bool(causal), window_left,
                                      window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                                     bool(deterministic))
+                                     bool(deterministic), *layout.op_args())
     out = out[..., :head_dim]
     if return_attn_probs:
         return out, lse, None
@@ -180,3 +190,110 @@ def flash_attn_kvpacked_func(
     k, v = kv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs)
+
+
+def _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                   seqused_k=None) -> checks.SequenceLayout:
+    """The sequence arguments of a varlen function, type-checked (the op checks the rest)."""
+    checks.check_is_tensor(cu_seqlens_q, "cu_seqlens_q")
+    checks.check_is_tensor(cu_seqlens_k, "cu_seqlens_k")
+    return checks.SequenceLayout(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                 checks.check_max_seqlen(max_seqlen_q, "max_seqlen_q"),
+                                 checks.check_max_seqlen(max_seqlen_k, "max_seqlen_k"))
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    *,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+):
+    """flash_attn_func on a batch of sequences of different lengths, concatenated.
+
+    Arguments:
+        q: (total_q, nheads, head_dim), sequence b at rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1].
+        k, v: (total_k, nheads_kv, head_dim), likewise with cu_seqlens_k.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), starting at 0, non-decreasing,
+            ending at total_q / total_k.
+        max_seqlen_q, max_seqlen_k: at least the longest query / key sequence.
+        block_table: paged KV; not implemented (NotImplementedError).
+        seqused_q, seqused_k (keyword only, as FA3): int32 (batch,); only the first
+            seqused[b] rows of sequence b are used, the others get out = 0, lse = +inf and
+            zero gradients.
+        The other arguments as flash_attn_func; causal, the window and ALiBi distances
+        use each sequence's own lengths, and alibi_slopes (batch, nheads) has one row per
+        sequence.
+
+    Returns:
+        out (total_q, nheads, head_dim); with return_attn_probs,
+        (out, softmax_lse (nheads, total_q) fp32 (fp64 for fp64 inputs), None).
+    """
+    if block_table is not None:
+        raise NotImplementedError("flashattn_ext: paged KV (block_table) is not implemented yet")
+    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                            seqused_k)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs, layout)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """flash_attn_varlen_func on qkv (total, 3, nheads, head_dim), one cu_seqlens and
+    max_seqlen for queries and keys; q, k and v are strided slices of qkv."""
+    checks.check_packed(qkv, "qkv", 3, "(total, 3, nheads, head_dim)", packed_dim=1)
+    q, k, v = qkv.unbind(dim=1)
+    layout = _varlen_layout(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs, layout)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """flash_attn_varlen_func on q (total_q, nheads, head_dim) and
+    kv (total_k, 2, nheads_kv, head_dim); k and v are strided slices of kv."""
+    checks.check_is_tensor(q, "q")
+    checks.check_packed(kv, "kv", 2, "(total_k, 2, nheads_kv, head_dim)", packed_dim=1)
+    k, v = kv.unbind(dim=1)
+    layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs, layout)

@@ -12,7 +12,8 @@ side leaves to Python:
   and the saved log-sum-exp. This is the one autograd path: flash_attn_func
   calls the forward op directly.
 * ``register_vmap`` for both ops: the vmapped dimension is folded into the
-  batch dimension, so ``torch.vmap`` costs one kernel launch.
+  batch dimension, so ``torch.vmap`` costs one kernel launch. Calls with
+  cu_seqlens or seqused are refused (NotImplementedError).
 * ``register_autograd`` for ``attention_backward``, which refuses: the backward
   has no derivative of its own (double backward), and an op without one would
   otherwise give zero second derivatives with only a warning.
@@ -23,7 +24,9 @@ Gradient conventions:
   treated as a non-differentiable by-product, as in flash-attn: a gradient
   flowing into it is ignored (the backward never reads it).
 * The scalar and optional arguments (softmax_scale, causal, window, softcap,
-  alibi_slopes, dropout_p, rng_state, deterministic) get no gradient.
+  alibi_slopes, dropout_p, rng_state, deterministic, and the sequence arguments
+  cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k) get no gradient; the sequence
+  arguments are handed to the backward op as the forward got them.
 * The forward op's ``deterministic`` argument is handed to the backward op;
   the backward op also honours ``torch.use_deterministic_algorithms(True)``.
 """
@@ -51,23 +54,30 @@ HAS_CUDA_KERNELS = has_kernel("attention_forward", "CUDA") and has_kernel("atten
 
 @torch.library.register_fake("flashattn_ext::attention_forward")
 def _attention_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                            alibi_slopes, dropout_p, rng_state, deterministic=False):
+                            alibi_slopes, dropout_p, rng_state, deterministic=False,
+                            cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                            max_seqlen_q=-1, max_seqlen_k=-1):
+    layout = checks.SequenceLayout(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                   max_seqlen_k)
     checks.check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
-                              kernel_layout=True)
+                              kernel_layout=True, layout=layout)
     # As allocate_forward_outputs() in csrc/attention_api.cpp: out has q's shape
-    # but is always contiguous, whatever q's strides; lse is (b, h, sq), fp32 (fp64 for fp64 q).
-    batch, seqlen_q, nheads, _ = q.shape
+    # but is always contiguous, whatever q's strides; lse is (b, h, sq), or (h, total_q)
+    # for a variable-length q, fp32 (fp64 for fp64 q).
     out = q.new_empty(q.shape)
-    lse = q.new_empty((batch, nheads, seqlen_q), dtype=checks.lse_dtype(q.dtype))
+    lse = q.new_empty(checks.lse_shape(q, layout), dtype=checks.lse_dtype(q.dtype))
     return out, lse
 
 
 @torch.library.register_fake("flashattn_ext::attention_backward")
 def _attention_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                              window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                             deterministic):
+                             deterministic, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                             seqused_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+    layout = checks.SequenceLayout(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                   max_seqlen_k)
     checks.check_backward_args(dout, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes,
-                               dropout_p, rng_state)
+                               dropout_p, rng_state, layout)
     # The kernels allocate the gradients contiguous, with the shapes of q, k, v
     # (new_empty is always contiguous, whatever the strides of its source).
     return (
@@ -79,11 +89,16 @@ def _attention_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, win
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
-     rng_state, deterministic) = inputs
+     rng_state, deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+     max_seqlen_k) = inputs
     out, lse = output
-    # alibi_slopes and rng_state are saved as tensors too (None is allowed):
-    # the backward must see exactly the slopes and the dropout mask of the forward.
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
+    # alibi_slopes, rng_state and the sequence tensors are saved as tensors too (None
+    # is allowed): the backward must see exactly the slopes, the dropout mask and the
+    # sequences of the forward.
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k,
+                          seqused_q, seqused_k)
+    ctx.max_seqlen_q = max_seqlen_q
+    ctx.max_seqlen_k = max_seqlen_k
     ctx.softmax_scale = softmax_scale
     ctx.causal = causal
     ctx.window_left = window_left
@@ -107,21 +122,26 @@ def unit_stride_last_dim(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                 softcap, alibi_slopes, dropout_p, rng_state, deterministic):
-    """attention_backward on a gradient of any strides; returns (dq, dk, dv)."""
+                 softcap, alibi_slopes, dropout_p, rng_state, deterministic, *sequence_args):
+    """attention_backward on a gradient of any strides; returns (dq, dk, dv).
+    sequence_args: the op's sequence arguments (cu_seqlens_q, cu_seqlens_k, seqused_q,
+    seqused_k, max_seqlen_q, max_seqlen_k), none for a dense call."""
     return attention_backward(unit_stride_last_dim(dout), q, k, v, out, lse, softmax_scale, causal,
                               window_left, window_right, softcap, alibi_slopes, dropout_p,
-                              rng_state, deterministic)
+                              rng_state, deterministic, *sequence_args)
 
 
 def _backward(ctx, dout, dlse):
     del dlse  # lse is not differentiable (see the module docstring)
-    q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
+    (q, k, v, out, lse, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_q,
+     seqused_k) = ctx.saved_tensors
     dq, dk, dv = run_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
                               ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes,
-                              ctx.dropout_p, rng_state, ctx.deterministic)
-    # One entry per forward input: q, k, v, then None for the 9 non-differentiable ones.
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                              ctx.dropout_p, rng_state, ctx.deterministic, cu_seqlens_q,
+                              cu_seqlens_k, seqused_q, seqused_k, ctx.max_seqlen_q,
+                              ctx.max_seqlen_k)
+    # One entry per forward input: q, k, v, then None for the 15 non-differentiable ones.
+    return (dq, dk, dv) + (None,) * 15
 
 
 torch.library.register_autograd("flashattn_ext::attention_forward", _backward,
@@ -163,31 +183,46 @@ def _check_rng_state_not_vmapped(dim) -> None:
                            "expected one [seed, offset] for the whole call")
 
 
+def _check_dense_for_vmap(*sequence_tensors) -> None:
+    """Folding the vmapped dimension into the batch would need new cu_seqlens offsets;
+    refused rather than guessed."""
+    if any(t is not None for t in sequence_tensors):
+        raise NotImplementedError(
+            "flashattn_ext: torch.vmap over a call with cu_seqlens or seqused (variable-length "
+            "batches) is not supported; concatenate the sequences into one varlen call instead")
+
+
 @torch.library.register_vmap("flashattn_ext::attention_forward")
 def _attention_forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_left,
                             window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                            deterministic=False):
+                            deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
+                            seqused_q=None, seqused_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
     size = info.batch_size
     _check_rng_state_not_vmapped(in_dims[10])
+    _check_dense_for_vmap(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     q, k, v = (_fold_into_batch(t, d, size) for t, d in zip((q, k, v), in_dims[:3]))
     batch = q.size(0) // size if size else 0
     out, lse = attention_forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                                  _fold_alibi_slopes(alibi_slopes, in_dims[8], size, batch),
-                                 dropout_p, rng_state, deterministic)
+                                 dropout_p, rng_state, deterministic, max_seqlen_q=max_seqlen_q,
+                                 max_seqlen_k=max_seqlen_k)
     return (out.unflatten(0, (size, batch)), lse.unflatten(0, (size, batch))), (0, 0)
 
 
 @torch.library.register_vmap("flashattn_ext::attention_backward")
 def _attention_backward_vmap(info, in_dims, dout, q, k, v, out, lse, softmax_scale, causal,
                              window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                             deterministic):
+                             deterministic, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                             seqused_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
     size = info.batch_size
     _check_rng_state_not_vmapped(in_dims[13])
+    _check_dense_for_vmap(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     dout, q, k, v, out, lse = (_fold_into_batch(t, d, size)
                                for t, d in zip((dout, q, k, v, out, lse), in_dims[:6]))
     batch = q.size(0) // size if size else 0
     grads = attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                                window_right, softcap,
                                _fold_alibi_slopes(alibi_slopes, in_dims[11], size, batch),
-                               dropout_p, rng_state, deterministic)
+                               dropout_p, rng_state, deterministic, max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k)
     return tuple(g.unflatten(0, (size, batch)) for g in grads), (0, 0, 0)

@@ -70,8 +70,8 @@ def with_kwargs(**kwargs):
 
 PYTHON_CHECKS = [
     ("q_rank", with_tensors(lambda q, k, v: (q[0], k, v)), RuntimeError,
-     r"flashattn_ext: q must have 4 dimensions \(batch, seqlen, nheads, head_dim\), got 3 dimensions "
-     r"with shape \[4, 2, 16\]"),
+     r"flashattn_ext: q must have 4 dimensions \(batch, seqlen, nheads, head_dim\) \(no cu_seqlens given\), "
+     r"got 3 dimensions with shape \[4, 2, 16\]"),
     ("k_rank", with_tensors(lambda q, k, v: (q, k[None], v)), RuntimeError,
      r"k must have 4 dimensions .*got 5 dimensions"),
     ("v_rank", with_tensors(lambda q, k, v: (q, k, v[0])), RuntimeError, r"v must have 4 dimensions"),
@@ -88,12 +88,14 @@ PYTHON_CHECKS = [
     ("v_device_mismatch_meta", with_tensors(lambda q, k, v: (q, k, v.to("meta"))), RuntimeError,
      r"v must be on the same device as q: got meta, expected cpu"),
     ("head_dim_over_256", with_q(head_dim=264), RuntimeError,
-     r"head_dim \(q dim 3\) must be at most 256, got 264"),
+     r"head_dim \(q's last dim\) must be at most 256, got 264"),
     ("head_dim_257_before_padding", with_q(head_dim=257), RuntimeError, r"must be at most 256, got 257"),
     ("k_head_dim_mismatch", with_tensors(lambda q, k, v: (q, k[..., :8], v)), RuntimeError,
      r"k head_dim \(dim 3\) must match q: got 8, expected 16"),
-    ("k_batch_mismatch", with_tensors(lambda q, k, v: (q, torch.cat([k, k]), v)), RuntimeError,
+    ("k_batch_mismatch", with_tensors(lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v]))), RuntimeError,
      r"k batch size \(dim 0\) must match q: got 2, expected 1"),
+    ("v_batch_mismatch", with_tensors(lambda q, k, v: (q, k, torch.cat([v, v]))), RuntimeError,
+     r"v batch size \(dim 0\) must match k: got 2, expected 1"),
     ("v_seqlen_mismatch", with_tensors(lambda q, k, v: (q, k, v[:, :3])), RuntimeError,
      r"v seqlen \(dim 1\) must match k: got 3, expected 5"),
     ("v_nheads_mismatch", with_tensors(lambda q, k, v: (q, k, v[:, :, :1])), RuntimeError,
@@ -205,16 +207,16 @@ def replace(**changes):
 
 OP_CHECKS = [
     ("q_rank", op_forward(lambda q, k, v: (q[0], k, v)), RuntimeError,
-     r"flashattn_ext: q must have 4 dimensions \(batch, seqlen, nheads, head_dim\), got 3 dimensions "
-     r"with shape \[4, 2, 16\]"),
+     r"flashattn_ext: q must have 4 dimensions \(batch, seqlen, nheads, head_dim\) \(no cu_seqlens given\), "
+     r"got 3 dimensions with shape \[4, 2, 16\]"),
     ("k_dtype_mismatch", op_forward(lambda q, k, v: (q, k.double(), v)), RuntimeError,
      r"k must have the same dtype as q: got .*, expected .*"),
     ("unsupported_dtype_int32", op_forward(lambda q, k, v: (q.int(), k.int(), v.int())), RuntimeError,
      r"dtype .*Int.* is not supported on CPU|dtype torch.int32 is not supported on META"),
     ("head_dim_over_256", op_forward(make=lambda device: qkv(head_dim=264, device=device)), RuntimeError,
-     r"head_dim \(q dim 3\) must be at most 256, got 264"),
+     r"head_dim \(q's last dim\) must be at most 256, got 264"),
     ("head_dim_not_multiple_of_8", op_forward(make=lambda device: qkv(head_dim=12, device=device)),
-     RuntimeError, r"head_dim \(q dim 3\) must be a multiple of 8 \(flash_attn_func pads it\), got 12"),
+     RuntimeError, r"head_dim \(q's last dim\) must be a multiple of 8 \(flash_attn_func pads it\), got 12"),
     ("k_head_dim_mismatch", op_forward(lambda q, k, v: (q, k[..., :8], v)), RuntimeError,
      r"k head_dim \(dim 3\) must match q: got 8, expected 16"),
     ("v_seqlen_mismatch", op_forward(lambda q, k, v: (q, k, v[:, :3])), RuntimeError,

@@ -22,6 +22,10 @@
 // Tasks go to at::parallel_for workers through a shared counter, one at a
 // time, so the uneven tasks of causal and windowed masks balance.
 //
+// Variable-length batches (cu_seqlens) and seqused run each sequence as a dense
+// problem of batch 1 on views of the tensors (make_parts), with the tasks of all
+// sequences in one pool.
+//
 // Precision: fp32, bf16 and fp16 compute in fp32, fp64 in fp64, and lse has the
 // accumulator's dtype, so the backward recomputes P from the lse it is given
 // (ring attention hands it a merged one) at full precision. dk and dv, long
@@ -49,6 +53,8 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "attention_api.h"
 #include "attention_ops.h"
@@ -98,7 +104,9 @@ struct Problem {
   int64_t alibi_batch_stride;
   at::TensorOptions acc_options;
 
-  Problem(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts)
+  // alibi_slopes: the call's, or the one row of a sequence run alone (see make_parts).
+  Problem(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts,
+          const std::optional<at::Tensor>& alibi_slopes)
       : batch(q.size(0)),
         nheads_q(q.size(2)),
         nheads_kv(k.size(2)),
@@ -109,10 +117,8 @@ struct Problem {
                                                      : opts.softmax_scale * M_LOG2E)),
         tanh_scale(static_cast<acc_t>(opts.softcap * M_LOG2E)),
         dk_scale(static_cast<acc_t>(opts.softcap > 0 ? opts.softcap : M_LN2)),
-        alibi_slopes(opts.alibi_slopes ? opts.alibi_slopes->data_ptr<float>() : nullptr),
-        alibi_batch_stride(opts.alibi_slopes && opts.alibi_slopes->dim() == 2
-                               ? opts.alibi_slopes->stride(0)
-                               : 0),
+        alibi_slopes(alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr),
+        alibi_batch_stride(alibi_slopes && alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0),
         acc_options(q.options().dtype(c10::CppTypeToScalarType<acc_t>::value)) {
     std::tie(window_left, window_right) = effective_window(opts, seqlen_q, seqlen_k);
   }
@@ -340,12 +346,121 @@ void for_each_query_block(const Problem<acc_t>& pb, int64_t j0, int64_t cols, co
 }
 
 template <typename acc_t>
-void forward_pass(const Problem<acc_t>& pb, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse) {
-  const int64_t d = pb.head_dim;
-  acc_t* const lse_data = lse.data_ptr<acc_t>();
-  run_tasks(num_query_block_tasks(pb), [&](const auto& next_task) {
-    const at::TensorOptions& opts = pb.acc_options;
+int64_t num_key_block_tasks(const Problem<acc_t>& pb) {
+  return ceil_div(pb.seqlen_k, kBlockK) * pb.batch * pb.nheads_kv;
+}
+
+// The tensors of a call as the passes read and write them: q, k, v, out, dout, dq,
+// dk, dv (batch, seqlen, nheads, head_dim), lse (batch, nheads, seqlen_q). The
+// backward's are undefined in the forward.
+struct CallTensors {
+  at::Tensor q, k, v, out, lse;
+  at::Tensor dout, dq, dk, dv;
+};
+
+// One dense problem the passes run: the whole call when it is dense, else one
+// sequence as a batch of 1, over views of the call's tensors. Variable-length
+// batches and seqused thus run the dense algorithm unchanged, each sequence with
+// its own lengths (so the mask and ALiBi are aligned per sequence).
+template <typename acc_t>
+struct Part {
+  Problem<acc_t> pb;
+  CallTensors t;
+  // Backward, per query row (batch, nheads, seqlen_q): the lse (log2 units) the
+  // probabilities are recomputed from, and D = rowsum(dout * out).
+  at::Tensor row_lse_log2, row_delta;
+};
+
+// Rows [start, start + length) of one sequence of q's or k's side.
+struct SequenceRows {
+  int64_t start, length;
+};
+
+// Each sequence's rows on one side: from cu_seqlens (variable-length) or the dense
+// seqlen, cut to seqused. The values were checked by check_sequence_values.
+std::vector<SequenceRows> sequence_rows(const std::optional<at::Tensor>& cu_seqlens,
+                                        const std::optional<at::Tensor>& seqused, int64_t batch,
+                                        int64_t dense_seqlen) {
+  const int* const cu = cu_seqlens ? cu_seqlens->data_ptr<int>() : nullptr;
+  const int* const used = seqused ? seqused->data_ptr<int>() : nullptr;
+  std::vector<SequenceRows> rows(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    rows[b] = cu ? SequenceRows{cu[b], cu[b + 1] - cu[b]} : SequenceRows{0, dense_seqlen};
+    if (used) rows[b].length = used[b];
+  }
+  return rows;
+}
+
+// Sequence b of t as a batch of 1: t is (batch, seqlen, ...) dense or (total, ...)
+// variable-length, and row_dim the row dimension of the batched form (2 for lse).
+at::Tensor sequence_view(const at::Tensor& t, bool varlen, int64_t b, const SequenceRows& rows,
+                         int64_t row_dim = 1) {
+  if (!t.defined()) return t;
+  return (varlen ? t.unsqueeze(0) : t.narrow(0, b, 1)).narrow(row_dim, rows.start, rows.length);
+}
+
+template <typename acc_t>
+std::vector<Part<acc_t>> make_parts(const CallTensors& t, const AttentionOptions& opts) {
+  const SequenceLayout& layout = opts.layout;
+  if (!layout.varlen_q() && !layout.varlen_k() && !layout.seqused_q && !layout.seqused_k)
+    return {Part<acc_t>{Problem<acc_t>(t.q, t.k, opts, opts.alibi_slopes), t}};
+
+  const ProblemSizes sizes = problem_sizes(t.q, t.k, opts);
+  const std::vector<SequenceRows> q_rows =
+      sequence_rows(layout.cu_seqlens_q, layout.seqused_q, sizes.batch, sizes.rows_q);
+  const std::vector<SequenceRows> k_rows =
+      sequence_rows(layout.cu_seqlens_k, layout.seqused_k, sizes.batch, sizes.rows_k);
+  std::vector<Part<acc_t>> parts;
+  parts.reserve(sizes.batch);
+  for (int64_t b = 0; b < sizes.batch; ++b) {
+    const auto q_side = [&](const at::Tensor& x, int64_t row_dim = 1) {
+      return sequence_view(x, layout.varlen_q(), b, q_rows[b], row_dim);
+    };
+    const auto k_side = [&](const at::Tensor& x) {
+      return sequence_view(x, layout.varlen_k(), b, k_rows[b]);
+    };
+    CallTensors sequence{q_side(t.q),    k_side(t.k),  k_side(t.v),  q_side(t.out), q_side(t.lse, 2),
+                         q_side(t.dout), q_side(t.dq), k_side(t.dk), k_side(t.dv)};
+    std::optional<at::Tensor> alibi_slopes = opts.alibi_slopes;
+    if (alibi_slopes && alibi_slopes->dim() == 2) alibi_slopes = alibi_slopes->narrow(0, b, 1);
+    parts.push_back(Part<acc_t>{Problem<acc_t>(sequence.q, sequence.k, opts, alibi_slopes),
+                                std::move(sequence)});
+  }
+  // Longest sequences first, so that their tasks start first and short ones fill the tail.
+  std::stable_sort(parts.begin(), parts.end(), [](const Part<acc_t>& a, const Part<acc_t>& b) {
+    return a.pb.seqlen_q * a.pb.seqlen_k > b.pb.seqlen_q * b.pb.seqlen_k;
+  });
+  return parts;
+}
+
+// run_tasks over the tasks of every part at once, so that the threads share the
+// tasks of many short sequences. tasks_of(pb) counts a part's tasks; worker gets
+// next_task(part, task), which hands out a part and a task number within it.
+template <typename acc_t, typename TasksOf, typename Worker>
+void run_part_tasks(const std::vector<Part<acc_t>>& parts, const TasksOf& tasks_of,
+                    const Worker& worker) {
+  std::vector<int64_t> first_task{0};
+  for (const Part<acc_t>& part : parts) first_task.push_back(first_task.back() + tasks_of(part.pb));
+  run_tasks(first_task.back(), [&](const auto& next_task) {
+    worker([&](const Part<acc_t>*& part, int64_t& part_task) {
+      int64_t task;
+      if (!next_task(task)) return false;
+      // The last part starting at or before `task` (parts without tasks start where the next does).
+      const int64_t index =
+          std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      part = &parts[index];
+      part_task = task - first_task[index];
+      return true;
+    });
+  });
+}
+
+template <typename acc_t>
+void forward_pass(const std::vector<Part<acc_t>>& parts) {
+  const auto tasks_of = [](const Problem<acc_t>& pb) { return num_query_block_tasks(pb); };
+  run_part_tasks(parts, tasks_of, [&](const auto& next_task) {
+    const at::TensorOptions& opts = parts.front().pb.acc_options;
+    const int64_t d = parts.front().pb.head_dim;
     const at::Tensor q_scratch = at::empty({kBlockQ * d}, opts);
     const at::Tensor k_scratch = at::empty({kBlockK * d}, opts);
     const at::Tensor v_scratch = at::empty({kBlockK * d}, opts);
@@ -354,7 +469,10 @@ void forward_pass(const Problem<acc_t>& pb, const at::Tensor& q, const at::Tenso
     at::Tensor inverse_sums = at::empty({kBlockQ}, opts);
     OnlineSoftmax<acc_t> softmax(opts);
 
-    for (int64_t task; next_task(task);) {
+    const Part<acc_t>* part;
+    for (int64_t task; next_task(part, task);) {
+      const Problem<acc_t>& pb = part->pb;
+      const auto& [q, k, v, out, lse, dout, dq, dk, dv] = part->t;
       const QueryBlockTask t(pb, task);
       const int64_t kv_head = t.h / pb.group_size();
       at::Tensor q_scaled = block_of(q_scratch, t.rows, d);
@@ -374,8 +492,9 @@ void forward_pass(const Problem<acc_t>& pb, const at::Tensor& q, const at::Tenso
       at::Tensor inverse = inverse_sums.narrow(0, 0, t.rows);
       softmax.inverse_sums(inverse);
       head_rows(out, t.b, t.h, t.i0, t.rows).copy_(acc.mul_(inverse.unsqueeze(1)));
+      // (`template`: a structured binding is a dependent name inside a template.)
       acc_t* const lse_rows =
-          lse_data + t.b * lse.stride(0) + t.h * lse.stride(1) + t.i0 * lse.stride(2);
+          lse.template data_ptr<acc_t>() + t.b * lse.stride(0) + t.h * lse.stride(1) + t.i0 * lse.stride(2);
       for (int64_t r = 0; r < t.rows; ++r) {
         lse_rows[r * lse.stride(2)] = softmax.lse_log2(r) * acc_t(M_LN2);
       }
@@ -426,16 +545,18 @@ struct BackwardScratch {
 // Backward pass 1: per (batch, head, query block), the row terms D and lse that
 // pass 2 reads, and dq.
 template <typename acc_t>
-void dq_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tensor& q,
-             const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-             const at::Tensor& lse, const at::Tensor& row_lse_log2, const at::Tensor& row_delta,
-             const at::Tensor& dq, double softmax_scale) {
-  const int64_t d = pb.head_dim;
-  run_tasks(num_query_block_tasks(pb), [&](const auto& next_task) {
-    BackwardScratch scratch(pb.acc_options, d);
-    OnlineSoftmax<acc_t> softmax(pb.acc_options);
+void dq_pass(const std::vector<Part<acc_t>>& parts, double softmax_scale) {
+  const auto tasks_of = [](const Problem<acc_t>& pb) { return num_query_block_tasks(pb); };
+  run_part_tasks(parts, tasks_of, [&](const auto& next_task) {
+    const int64_t d = parts.front().pb.head_dim;
+    BackwardScratch scratch(parts.front().pb.acc_options, d);
 
-    for (int64_t task; next_task(task);) {
+    const Part<acc_t>* part;
+    for (int64_t task; next_task(part, task);) {
+      const Problem<acc_t>& pb = part->pb;
+      const auto& [q, k, v, out, lse, dout, dq, dk, dv] = part->t;
+      const at::Tensor& row_lse_log2 = part->row_lse_log2;
+      const at::Tensor& row_delta = part->row_delta;
       const QueryBlockTask t(pb, task);
       const int64_t kv_head = t.h / pb.group_size();
       at::Tensor q_scaled = block_of(scratch.q, t.rows, d);
@@ -480,19 +601,20 @@ void dq_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tensor&
 // fp32 partials of 4 or 8 blocks each, added in fp64, were still up to 3.5x
 // PyTorch's error on one key seen by 16384 rows.
 template <typename acc_t>
-void dkdv_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tensor& q,
-               const at::Tensor& k, const at::Tensor& v, const at::Tensor& row_lse_log2,
-               const at::Tensor& row_delta, const at::Tensor& dk, const at::Tensor& dv) {
-  const int64_t d = pb.head_dim;
-  const int64_t num_kv_heads = pb.batch * pb.nheads_kv;
-  const int64_t num_tasks = ceil_div(pb.seqlen_k, kBlockK) * num_kv_heads;
-  run_tasks(num_tasks, [&](const auto& next_task) {
-    BackwardScratch scratch(pb.acc_options, d);
-    const at::TensorOptions wide_options = pb.acc_options.dtype(at::kDouble);
+void dkdv_pass(const std::vector<Part<acc_t>>& parts) {
+  const auto tasks_of = [](const Problem<acc_t>& pb) { return num_key_block_tasks(pb); };
+  run_part_tasks(parts, tasks_of, [&](const auto& next_task) {
+    const int64_t d = parts.front().pb.head_dim;
+    BackwardScratch scratch(parts.front().pb.acc_options, d);
+    const at::TensorOptions wide_options = parts.front().pb.acc_options.dtype(at::kDouble);
     const at::Tensor dk_scratch = at::empty({kBlockK * d}, wide_options);
     const at::Tensor dv_scratch = at::empty({kBlockK * d}, wide_options);
 
-    for (int64_t task; next_task(task);) {
+    const Part<acc_t>* part;
+    for (int64_t task; next_task(part, task);) {
+      const Problem<acc_t>& pb = part->pb;
+      const auto& [q, k, v, out, lse, dout, dq, dk, dv] = part->t;
+      const int64_t num_kv_heads = pb.batch * pb.nheads_kv;
       const int64_t b = task % num_kv_heads / pb.nheads_kv;
       const int64_t kv_head = task % num_kv_heads % pb.nheads_kv;
       const int64_t j0 = task / num_kv_heads * kBlockK;
@@ -511,11 +633,11 @@ void dkdv_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tenso
           at::Tensor probs = block_of(scratch.scores, rows, cols);
           at::Tensor tanh_scores = block_of(scratch.tanh_scores, rows, cols);
           compute_scores(pb, q_scaled, k_rows, b, h, i0, j0, probs, &tanh_scores);
-          probabilities_from_scores(probs, row_lse_log2[b][h].narrow(0, i0, rows));
+          probabilities_from_scores(probs, part->row_lse_log2[b][h].narrow(0, i0, rows));
           add_to_fp64<acc_t>(dv_acc, at::mm_out(block_product, probs.t(), dout_rows));
           at::Tensor dprobs = block_of(scratch.dprobs, rows, cols);
           at::mm_out(dprobs, dout_rows, v_rows.t());
-          score_gradient(pb, dprobs, probs, row_delta[b][h].narrow(0, i0, rows), tanh_scores);
+          score_gradient(pb, dprobs, probs, part->row_delta[b][h].narrow(0, i0, rows), tanh_scores);
           add_to_fp64<acc_t>(dk_acc, at::mm_out(block_product, dprobs.t(), q_scaled));
         });
       }
@@ -528,29 +650,31 @@ void dkdv_pass(const Problem<acc_t>& pb, const at::Tensor& dout, const at::Tenso
 AttentionOptions make_options(double softmax_scale, bool causal, int64_t window_left,
                               int64_t window_right, double softcap,
                               const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                              const std::optional<at::Tensor>& rng_state) {
-  return AttentionOptions{softmax_scale, causal,       window_left, window_right,
-                          softcap,       alibi_slopes, dropout_p,   rng_state};
+                              const std::optional<at::Tensor>& rng_state, SequenceLayout layout) {
+  return AttentionOptions{softmax_scale, causal,       window_left, window_right,      softcap,
+                          alibi_slopes,  dropout_p,    rng_state,   std::move(layout)};
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS) {
-  AttentionOptions opts = make_options(softmax_scale, causal, window_left, window_right,
-                                       softcap, alibi_slopes, dropout_p, rng_state);
-  opts.layout = SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES};
+  const AttentionOptions opts =
+      make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                   dropout_p, rng_state, SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES});
   check_forward_inputs(q, k, v, opts, kCpuBackend);
-  TORCH_CHECK_NOT_IMPLEMENTED(!opts.layout.varlen_q() && !opts.layout.varlen_k() && !opts.layout.seqused_q && !opts.layout.seqused_k, "varlen on CPU: pending");
+  // make_parts reads the sequence tensors as they are: their values must be sound.
+  check_sequence_values(q, k, opts);
   auto [out, lse] = allocate_forward_outputs(q, opts);
   if (is_empty_problem(q, k)) {
     out.zero_();
     lse.fill_(std::numeric_limits<float>::infinity());
     return {out, lse};
   }
+  const CallTensors tensors{q, k, v, out, lse};
   if (q.scalar_type() == at::kDouble) {
-    forward_pass(Problem<double>(q, k, opts), q, k, v, out, lse);
+    forward_pass(make_parts<double>(tensors, opts));
   } else {
-    forward_pass(Problem<float>(q, k, opts), q, k, v, out, lse);
+    forward_pass(make_parts<float>(tensors, opts));
   }
   return {out, lse};
 }
@@ -558,31 +682,32 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
   // Both passes are deterministic whatever `deterministic` says.
   static_cast<void>(deterministic);
-  AttentionOptions opts = make_options(softmax_scale, causal, window_left, window_right,
-                                       softcap, alibi_slopes, dropout_p, rng_state);
-  opts.layout = SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES};
+  const AttentionOptions opts =
+      make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                   dropout_p, rng_state, SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES});
   check_backward_inputs(dout, q, k, v, out, lse, opts, kCpuBackend);
-  TORCH_CHECK_NOT_IMPLEMENTED(!opts.layout.varlen_q() && !opts.layout.varlen_k() && !opts.layout.seqused_q && !opts.layout.seqused_k, "varlen on CPU: pending");
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  check_sequence_values(q, k, opts);
+  auto [dq, dk, dv] = allocate_backward_outputs(q, k, v, opts);
   if (is_empty_problem(q, k)) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
     return {dq, dk, dv};
   }
-  const auto run = [&](const auto& pb) {
-    // Per query row: the lse (log2 units) the probabilities are recomputed from, and D.
-    const at::Tensor row_lse_log2 = at::empty({pb.batch, pb.nheads_q, pb.seqlen_q}, pb.acc_options);
-    const at::Tensor row_delta = at::empty_like(row_lse_log2);
-    dq_pass(pb, dout, q, k, v, out, lse, row_lse_log2, row_delta, dq, softmax_scale);
-    dkdv_pass(pb, dout, q, k, v, row_lse_log2, row_delta, dk, dv);
+  const CallTensors tensors{q, k, v, out, lse, dout, dq, dk, dv};
+  const auto run = [&](auto parts) {
+    for (auto& part : parts) {
+      const auto& pb = part.pb;
+      part.row_lse_log2 = at::empty({pb.batch, pb.nheads_q, pb.seqlen_q}, pb.acc_options);
+      part.row_delta = at::empty_like(part.row_lse_log2);
+    }
+    dq_pass(parts, softmax_scale);
+    dkdv_pass(parts);
   };
   if (q.scalar_type() == at::kDouble) {
-    run(Problem<double>(q, k, opts));
+    run(make_parts<double>(tensors, opts));
   } else {
-    run(Problem<float>(q, k, opts));
+    run(make_parts<float>(tensors, opts));
   }
   return {dq, dk, dv};
 }

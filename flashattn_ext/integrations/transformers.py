@@ -17,11 +17,12 @@ flash_attention_2 path (the semantics models written for it rely on):
 * padding: ``attention_mask`` is the 2-D (batch, kv_len) padding mask (any pattern,
   left or right). Each row's valid tokens are attended among themselves, causal in
   their order (bottom-right aligned when the query is shorter than the keys, as in
-  decoding); the output at padded query positions is 0;
+  decoding); the output at padded query positions is 0. The valid tokens are gathered
+  into one ``flash_attn_varlen_func`` call;
 * sequences packed into one row: in a batch of one row, ``position_ids`` restarting at 0
   (or anywhere they do not continue by +1) without a padding mask; or the ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` keyword arguments of padding-free collators: each sequence is
-  attended separately;
+  attended separately, in one ``flash_attn_varlen_func`` call;
 * ``sliding_window`` (a window of that many keys including the query's own, as
   transformers defines it) becomes ``window_size``, ``softcap`` is passed through,
   ``dropout`` too: dropout > 0 (a model in training mode with attention dropout)
@@ -108,7 +109,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return _padded_attention(q, k, v, attention_mask, options), None
     if all(x is not None for x in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):
         out = _varlen_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
-                                cu_seq_lens_q, cu_seq_lens_k, options)
+                                cu_seq_lens_q, cu_seq_lens_k, options, max_length_q, max_length_k)
         return out.view(batch, q_len, *out.shape[1:]), None
     starts = _packed_sequence_starts(position_ids, batch, q_len, key_length)
     if starts is not None:
@@ -163,15 +164,18 @@ def _packed_sequence_starts(position_ids, batch, q_len, key_length):
     return starts
 
 
-def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, options):
-    """flash_attn_varlen_func's contract: q (total_q, heads, dim), k/v (total_k, kv_heads,
-    dim), sequence i at rows cu_seqlens[i]:cu_seqlens[i + 1]; returns (total_q, heads, dim).
-    One flash_attn_func call per sequence until the package has a varlen kernel, which
-    replaces this body."""
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    outs = []
-    for sq, eq, sk, ek in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
-        if eq > sq:   # a row with no valid query contributes no output rows
-            outs.append(flashattn_ext.flash_attn_func(q[None, sq:eq], k[None, sk:ek],
-                                                      v[None, sk:ek], **options)[0])
-    return torch.cat(outs) if outs else q.new_zeros(0, *q.shape[1:])
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, options, max_seqlen_q=None,
+                      max_seqlen_k=None):
+    """flash_attn_varlen_func: q (total_q, heads, dim), k/v (total_k, kv_heads, dim), sequence
+    i at rows cu_seqlens[i]:cu_seqlens[i + 1] (any integer dtype); returns (total_q, heads,
+    dim). The longest lengths are computed from cu_seqlens (one device synchronisation)
+    where the caller has none."""
+    cu_seqlens_q, cu_seqlens_k = (cu.to(torch.int32) for cu in (cu_seqlens_q, cu_seqlens_k))
+    max_seqlen_q = _longest(cu_seqlens_q) if max_seqlen_q is None else int(max_seqlen_q)
+    max_seqlen_k = _longest(cu_seqlens_k) if max_seqlen_k is None else int(max_seqlen_k)
+    return flashattn_ext.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k, **options)
+
+
+def _longest(cu_seqlens) -> int:
+    return int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
