@@ -209,23 +209,24 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       sm90::fence_registers(acc_s_flat);
       softmax_block(acc_s, corrections, 0);
       pack_p(acc_s, p);
+      // Keys past the sequence's end have P = 0, but the rows of V the copy brought for
+      // them belong to the next sequence or to rows seqused leaves out, and 0 * inf or NaN
+      // there would reach O: the block that straddles the end (the first) zeroes them,
+      // here rather than in the loop, which keeps the loop free of the branch.
+      const int v_rows_valid = seq.seqlen_k - blk.n_block_last * kBlockN;
+      if (SequenceInfo::keys_may_overrun(params) && v_rows_valid < kBlockN) {
+        sm90::mbarrier_wait(v_full(0), 0);
+        sm90::zero_tile_rows<Shape::kColumnBlocks>(v_smem(0), kBlockN, v_rows_valid, threadIdx.x - 128,
+                                                   Shape::kConsumerWarpgroups * 128);
+        sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerWarpgroups * 128);
+      }
     }
     // O = O * correction + P_it V_it, issued and committed; the stage is handed
     // back to the producer once it has completed.
-    // Keys past the sequence's end have P = 0, but the rows of V the copy brought for
-    // them belong to the next sequence or to rows seqused leaves out, and 0 * inf or NaN
-    // there would reach O: the block that straddles the end (the first one) zeroes them.
-    const int v_rows_valid = seq.seqlen_k - blk.n_block_last * kBlockN;
-    const bool zero_v_tail = SequenceInfo::keys_may_overrun(params) && v_rows_valid < kBlockN;
     const auto issue_pv = [&](int it) {
       const int stage = it % kStages;
       rescale_output(acc_o, corrections);
       sm90::mbarrier_wait(v_full(stage), (it / kStages) & 1);
-      if (it == 0 && zero_v_tail) {
-        sm90::zero_tile_rows<Shape::kColumnBlocks>(v_smem(stage), kBlockN, v_rows_valid, threadIdx.x - 128,
-                                                   Shape::kConsumerWarpgroups * 128);
-        sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerWarpgroups * 128);
-      }
       sm90::fence_registers(acc_o_flat);
       sm90::wgmma_fence();
   #pragma unroll
