@@ -1,5 +1,6 @@
 """The named attention cases shared by the correctness, gradient, opcheck and
-compile tests (one list, as extension-cpp's sample_inputs).
+compile tests (one list, as extension-cpp's sample_inputs), and the
+variable-length ones (VARLEN_CASES) shared by test_varlen, opcheck and compile.
 
 Sizes are small because the CPU kernel is real but runs on 2 cores in CI; the
 sequence lengths are chosen around the CPU kernel's 128 x 128 blocks
@@ -9,6 +10,7 @@ seqlen_q != seqlen_k both ways.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
@@ -38,6 +40,9 @@ class AttentionInputs:
     window: Tuple[int, int]
     softcap: float
     alibi_slopes: Optional[torch.Tensor]
+    # The ops' arguments after `deterministic`: (cu_seqlens_q, cu_seqlens_k, seqused_q,
+    # seqused_k, max_seqlen_q, max_seqlen_k); empty for a dense call.
+    sequence_args: tuple = ()
 
     def func_kwargs(self) -> dict:
         """Keyword arguments of flash_attn_func (flash-attn names)."""
@@ -53,14 +58,15 @@ class AttentionInputs:
 
     def forward_op_args(self) -> tuple:
         """Positional arguments of torch.ops.flashattn_ext.attention_forward."""
-        return (self.q, self.k, self.v, self.resolved_scale(), self.causal, self.window[0],
+        args = (self.q, self.k, self.v, self.resolved_scale(), self.causal, self.window[0],
                 self.window[1], self.softcap, self.alibi_slopes, 0.0, None)
+        return args + ((False, *self.sequence_args) if self.sequence_args else ())
 
     def backward_op_args(self, out: torch.Tensor, lse: torch.Tensor, deterministic: bool = False) -> tuple:
         """Positional arguments of torch.ops.flashattn_ext.attention_backward."""
         return (self.dout, self.q, self.k, self.v, out, lse, self.resolved_scale(), self.causal,
                 self.window[0], self.window[1], self.softcap, self.alibi_slopes, 0.0, None,
-                deterministic)
+                deterministic, *self.sequence_args)
 
 
 @dataclass(frozen=True)
@@ -223,3 +229,125 @@ EMPTY_CASES = [
     AttentionCase("empty_seqlen_k", batch=2, seqlen_q=5, seqlen_k=0, nheads=2, nheads_kv=1, head_dim=16),
     AttentionCase("empty_seqlen_k_causal_padded", batch=1, seqlen_q=3, seqlen_k=0, head_dim=12, causal=True),
 ]
+
+
+@dataclass(frozen=True)
+class VarlenCase:
+    """A batch of sequences of different lengths in flash_attn_varlen_func's layout:
+    q (sum(seqlens_q), nheads, head_dim), sequence b at rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1], likewise k and v; or a side dense ((batch, seqlen, ...), all its
+    lengths equal) with dense_q / dense_k."""
+
+    name: str
+    seqlens_q: Tuple[int, ...]
+    seqlens_k: Tuple[int, ...]
+    nheads: int = 2
+    nheads_kv: int = 2
+    head_dim: int = 32
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    # None, "nheads" (shape (nheads,)) or "batch_nheads" (one row per sequence).
+    alibi: Optional[str] = None
+    softmax_scale: Optional[float] = None
+    # max_seqlen_q/k exceed the longest sequence by this much (they are only bounds).
+    max_seqlen_slack: int = 0
+    seqused_q: Optional[Tuple[int, ...]] = None
+    seqused_k: Optional[Tuple[int, ...]] = None
+    dense_q: bool = False
+    dense_k: bool = False
+    tags: Tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        assert len(self.seqlens_q) == len(self.seqlens_k), self.name
+        for dense, lengths in ((self.dense_q, self.seqlens_q), (self.dense_k, self.seqlens_k)):
+            assert not dense or len(set(lengths)) == 1, f"{self.name}: a dense side has one length"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def batch(self) -> int:
+        return len(self.seqlens_q)
+
+    @property
+    def op_compatible(self) -> bool:
+        return self.head_dim % 8 == 0
+
+    @property
+    def cuda_features(self) -> bool:
+        """Whether the CUDA kernels implement every feature of the case (not softcap, ALiBi)."""
+        return self.softcap == 0.0 and self.alibi is None
+
+    def used_lengths(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """The rows of each sequence that count: seqused where given, else all."""
+        return self.seqused_q or self.seqlens_q, self.seqused_k or self.seqlens_k
+
+    def make(self, dtype: torch.dtype = torch.float32, device="cpu", requires_grad: bool = False,
+             seed: int = 0) -> AttentionInputs:
+        gen = torch.Generator().manual_seed(seed)
+        h, hk, d = self.nheads, self.nheads_kv, self.head_dim
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+        def side(lengths, dense, heads):
+            return randn(self.batch, lengths[0], heads, d) if dense else randn(sum(lengths), heads, d)
+
+        def int32(values):
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        def cu_seqlens(lengths, dense):
+            return None if dense else int32([0, *itertools.accumulate(lengths)])
+
+        def max_seqlen(lengths, dense):
+            return -1 if dense else max(lengths, default=0) + self.max_seqlen_slack
+
+        q, k, v = side(self.seqlens_q, self.dense_q, h), side(self.seqlens_k, self.dense_k, hk), \
+            side(self.seqlens_k, self.dense_k, hk)
+        dout = side(self.seqlens_q, self.dense_q, h)
+        for t in (q, k, v):
+            t.requires_grad_(requires_grad)
+        alibi_slopes = None
+        if self.alibi == "nheads":
+            alibi_slopes = alibi_slopes_for(h).to(device)
+        elif self.alibi == "batch_nheads":
+            alibi_slopes = (torch.rand(self.batch, h, generator=gen) * 0.5 + 0.05).to(device)
+        sequence_args = (cu_seqlens(self.seqlens_q, self.dense_q), cu_seqlens(self.seqlens_k, self.dense_k),
+                         None if self.seqused_q is None else int32(self.seqused_q),
+                         None if self.seqused_k is None else int32(self.seqused_k),
+                         max_seqlen(self.seqlens_q, self.dense_q), max_seqlen(self.seqlens_k, self.dense_k))
+        return AttentionInputs(q, k, v, dout, self.softmax_scale, self.causal, self.window, self.softcap,
+                               alibi_slopes, sequence_args)
+
+
+# Lengths include 0 and 1, one past the CPU block (129, 130, 140), queries without keys
+# and keys without queries; the rows past seqused and the rows that see no key (causal
+# with more queries than keys) get out 0, lse +inf and zero gradients.
+VARLEN_CASES = [
+    VarlenCase("mixed_lengths", seqlens_q=(5, 0, 1, 130, 17), seqlens_k=(5, 0, 1, 130, 17),
+               tags=("opcheck", "compile")),
+    VarlenCase("q_k_differ_causal", seqlens_q=(3, 40, 1, 0, 129, 2), seqlens_k=(7, 20, 1, 5, 140, 0),
+               causal=True, tags=("opcheck",)),
+    VarlenCase("max_seqlen_slack", seqlens_q=(4, 9), seqlens_k=(6, 2), max_seqlen_slack=50,
+               tags=("opcheck",)),
+    VarlenCase("window", seqlens_q=(50, 140, 7), seqlens_k=(60, 130, 7), window=(16, 8)),
+    VarlenCase("gqa_causal_window_left", seqlens_q=(33, 1, 70), seqlens_k=(33, 12, 90), nheads=4,
+               nheads_kv=2, causal=True, window=(10, -1)),
+    VarlenCase("mqa", seqlens_q=(20, 9), seqlens_k=(31, 9), nheads=4, nheads_kv=1, head_dim=64),
+    VarlenCase("softcap_causal", seqlens_q=(20, 0, 35), seqlens_k=(25, 3, 35), causal=True, softcap=2.0,
+               softmax_scale=0.5),
+    VarlenCase("alibi_per_sequence_gqa", seqlens_q=(10, 37, 1), seqlens_k=(20, 30, 8), nheads=4,
+               nheads_kv=2, causal=True, alibi="batch_nheads", tags=("opcheck",)),
+    VarlenCase("alibi_per_head", seqlens_q=(12, 30), seqlens_k=(40, 30), alibi="nheads"),
+    VarlenCase("seqused_causal", seqlens_q=(10, 20, 0, 5), seqlens_k=(12, 20, 3, 5), seqused_q=(10, 7, 0, 0),
+               seqused_k=(12, 3, 0, 5), causal=True, tags=("opcheck", "compile")),
+    VarlenCase("varlen_q_dense_k_causal", seqlens_q=(5, 0, 17), seqlens_k=(23, 23, 23), dense_k=True,
+               causal=True, tags=("opcheck",)),
+    VarlenCase("dense_seqused", seqlens_q=(19, 19), seqlens_k=(21, 21), seqused_q=(19, 4), seqused_k=(0, 9),
+               dense_q=True, dense_k=True, tags=("opcheck",)),
+    VarlenCase("head_dim_20_padded", seqlens_q=(3, 17), seqlens_k=(3, 17), head_dim=20, causal=True),
+]
+
+VARLEN_CASES_BY_NAME = {case.name: case for case in VARLEN_CASES}
+assert len(VARLEN_CASES_BY_NAME) == len(VARLEN_CASES), "case names must be unique"

@@ -9,9 +9,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import make_boxed_func
 
-from flashattn_ext import flash_attn_func
+from flashattn_ext import flash_attn_func, flash_attn_varlen_func
 
-from sample_inputs import CASES_BY_NAME, cases_tagged
+from sample_inputs import CASES_BY_NAME, VARLEN_CASES, cases_tagged
 
 FORWARD_OP = torch.ops.flashattn_ext.attention_forward.default
 BACKWARD_OP = torch.ops.flashattn_ext.attention_backward.default
@@ -71,6 +71,40 @@ def test_compile_fullgraph_without_recompiles(case):
             actual = run_step(compiled, inputs)
             expected = run_step(step, inputs)
             for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), actual, expected):
+                torch.testing.assert_close(a, e, rtol=0, atol=0, msg=f"{case.name} {name}")
+    assert counter.frame_count == 1
+    (forward_graph,) = recorder.forward_graphs
+    (backward_graph,) = recorder.backward_graphs
+    assert count_calls(forward_graph, FORWARD_OP) == 1
+    assert count_calls(backward_graph, BACKWARD_OP) == 1
+
+
+@pytest.mark.parametrize("case", [case for case in VARLEN_CASES if "compile" in case.tags], ids=str)
+def test_compile_varlen_fullgraph_without_recompiles(case):
+    """flash_attn_varlen_func: one forward and one backward op, the sequence tensors
+    graph inputs (new values reuse the graph), the eager results."""
+    torch._dynamo.reset()
+    recorder = GraphRecorder()
+    counter = CompileCounterWithBackend(recorder.backend)
+    first = case.make(torch.float32, requires_grad=True)
+    *_, max_seqlen_q, max_seqlen_k = first.sequence_args
+    kwargs = first.func_kwargs()
+
+    def step(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             return_attn_probs=True, seqused_q=seqused_q,
+                                             seqused_k=seqused_k, **kwargs)
+        return out * 2.0, lse
+
+    def run(function, inputs):
+        out, lse = function(inputs.q, inputs.k, inputs.v, *inputs.sequence_args[:4])
+        return (out, lse, *torch.autograd.grad(out, (inputs.q, inputs.k, inputs.v), inputs.dout))
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in (0, 1):
+            inputs = case.make(torch.float32, requires_grad=True, seed=seed)
+            for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), run(compiled, inputs), run(step, inputs)):
                 torch.testing.assert_close(a, e, rtol=0, atol=0, msg=f"{case.name} {name}")
     assert counter.frame_count == 1
     (forward_graph,) = recorder.forward_graphs

@@ -5,14 +5,16 @@ test_autograd_registration (the forward's autograd is registered through
 torch.library, see flashattn_ext/ops.py), test_faketensor (the fake kernels
 give exactly the real outputs' sizes, strides and dtypes) and
 test_aot_dispatch_dynamic (eager vs AOT autograd with dynamic shapes, forward
-and backward). None is skipped: every one applies to these ops."""
+and backward). None is skipped: every one applies to these ops. The varlen cases
+pass the sequence arguments (cu_seqlens, seqused, max_seqlen) too."""
 
 import pytest
 import torch
 
-from sample_inputs import CASES_BY_NAME, cases_tagged
+from sample_inputs import CASES_BY_NAME, VARLEN_CASES, cases_tagged
 
-OPCHECK_CASES = [case for case in cases_tagged("opcheck") if case.op_compatible]
+OPCHECK_CASES = ([case for case in cases_tagged("opcheck") if case.op_compatible]
+                 + [case for case in VARLEN_CASES if "opcheck" in case.tags and case.op_compatible])
 # fp64 is the dtype of gradcheck; a few cases are enough to cover its code path.
 FP64_CASES = ["basic", "all_features", "mixed_strides"]
 

@@ -1,0 +1,427 @@
+"""Variable-length batches: flash_attn_varlen_func and its packed forms, and the ops'
+sequence arguments (cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k).
+
+Every case of sample_inputs.VARLEN_CASES, forward and backward, is checked
+  (a) against each sequence run alone through the dense flash_attn_func, within
+      the dtype's rounding (bit for bit on the CPU on one thread, where both run
+      the same dense algorithm: with more threads, a problem of one task lets BLAS
+      use the threads itself, which can round its sums differently), and
+  (b) against the fp64 reference run per sequence, under the error rule of
+      reference.py (2x the low-precision PyTorch error for out and lse, 3x for
+      the gradients).
+The rows past seqused, and those of sequences without keys, must be out 0,
+lse +inf and zero gradients in both. On CUDA the outputs come from an allocator
+pool poisoned with NaN, so a row no kernel writes shows up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+
+import pytest
+import torch
+
+import flashattn_ext
+from flashattn_ext import (flash_attn_func, flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                           flash_attn_varlen_qkvpacked_func)
+
+from reference import BASELINE_DTYPES, assert_error_rule, attention_reference_with_grads
+from sample_inputs import VARLEN_CASES, VARLEN_CASES_BY_NAME, VarlenCase
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+CUDA_DTYPES = (torch.bfloat16, torch.float16)
+
+forward_op = torch.ops.flashattn_ext.attention_forward
+backward_op = torch.ops.flashattn_ext.attention_backward
+
+
+def run_varlen(case: VarlenCase, inputs):
+    """(out, lse, dq, dk, dv), gradients of <out, dout>: through flash_attn_varlen_func
+    when both sides are variable-length, else through the op (its autograd formula)."""
+    cu_q, cu_k, used_q, used_k, max_q, max_k = inputs.sequence_args
+    if not (case.dense_q or case.dense_k):
+        out, lse, probs = flash_attn_varlen_func(inputs.q, inputs.k, inputs.v, cu_q, cu_k, max_q, max_k,
+                                                 **inputs.func_kwargs(), return_attn_probs=True,
+                                                 seqused_q=used_q, seqused_k=used_k)
+        assert probs is None
+    else:
+        out, lse = forward_op(*inputs.forward_op_args())
+    grads = torch.autograd.grad(out, (inputs.q, inputs.k, inputs.v), inputs.dout)
+    return (out, lse, *grads)
+
+
+def sequence_rows(case: VarlenCase):
+    """Per sequence: (first row, rows used) of q's side and of k's side."""
+    starts_q = [0, *itertools.accumulate(case.seqlens_q)]
+    starts_k = [0, *itertools.accumulate(case.seqlens_k)]
+    used_q, used_k = case.used_lengths()
+    for b in range(case.batch):
+        yield ((0 if case.dense_q else starts_q[b], used_q[b]),
+               (0 if case.dense_k else starts_k[b], used_k[b]))
+
+
+def rows_view(t, dense: bool, b: int, start: int, length: int, lse: bool = False):
+    """Sequence b's rows of t as a batch of 1: (1, length, ...), lse (1, nheads, length)."""
+    if lse:
+        return (t[b:b + 1] if dense else t[None]).narrow(2, start, length)
+    return (t[b:b + 1] if dense else t[None]).narrow(1, start, length)
+
+
+def per_sequence(case: VarlenCase, inputs, attention, dtype):
+    """(out, lse, dq, dk, dv) in the case's layout, each sequence computed alone by
+    attention(q, k, v, dout, alibi_slopes) on its used rows (a batch of 1); the rows past
+    seqused stay out 0, lse +inf, gradients 0."""
+    q, k, v, dout = (t.detach() for t in (inputs.q, inputs.k, inputs.v, inputs.dout))
+    lse_shape = ((q.size(0), q.size(2), q.size(1)) if case.dense_q else (q.size(1), q.size(0)))
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    results = [torch.zeros_like(q, dtype=dtype),
+               torch.full(lse_shape, float("inf"), dtype=lse_dtype, device=q.device),
+               torch.zeros_like(q, dtype=dtype), torch.zeros_like(k, dtype=dtype),
+               torch.zeros_like(v, dtype=dtype)]
+    for b, ((start_q, len_q), (start_k, len_k)) in enumerate(sequence_rows(case)):
+        q_rows = lambda t, lse=False: rows_view(t, case.dense_q, b, start_q, len_q, lse)  # noqa: E731
+        k_rows = lambda t: rows_view(t, case.dense_k, b, start_k, len_k)  # noqa: E731
+        slopes = inputs.alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b:b + 1]
+        sequence = attention(q_rows(q), k_rows(k), k_rows(v), q_rows(dout), slopes)
+        for result, value, view in zip(results, sequence, (q_rows, lambda t: q_rows(t, True),
+                                                           q_rows, k_rows, k_rows)):
+            view(result).copy_(value)
+    return results
+
+
+def reference_attention(inputs, compute_dtype):
+    def attention(q, k, v, dout, alibi_slopes):
+        kwargs = {**inputs.reference_kwargs(), "alibi_slopes": alibi_slopes}
+        return attention_reference_with_grads(q, k, v, dout, compute_dtype=compute_dtype, **kwargs)
+    return attention
+
+
+def dense_flash_attention(inputs):
+    def attention(q, k, v, dout, alibi_slopes):
+        # Views of the varlen tensors' own storage, not copies: BLAS results can depend on
+        # the alignment of the data, and the comparison is bit for bit.
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        kwargs = {**inputs.func_kwargs(), "alibi_slopes": alibi_slopes}
+        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+    return attention
+
+
+def check_case(case: VarlenCase, dtype, device):
+    inputs = case.make(dtype, device=device, requires_grad=True)
+    if device == "cuda":
+        from cuda_inputs import poison_allocator
+        poison_allocator()
+    actual = run_varlen(case, inputs)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for name, tensor in zip(NAMES, actual):
+        assert tensor.dtype == (lse_dtype if name == "lse" else dtype), name
+        assert not torch.isnan(tensor).any(), f"{case.name}: {name} has NaN (a row left unwritten?)"
+
+    dense = per_sequence(case, inputs, dense_flash_attention(inputs), dtype)
+    for name, a, e in zip(NAMES, actual, dense):
+        torch.testing.assert_close(a, e, msg=f"{case.name}: {name} vs flash_attn_func per sequence")
+
+    reference = per_sequence(case, inputs, reference_attention(inputs, torch.float64), torch.float64)
+    low_precision = None
+    if dtype in BASELINE_DTYPES:
+        low_precision = per_sequence(case, inputs, reference_attention(inputs, dtype), dtype)
+    assert_error_rule(NAMES, actual, reference, low_precision, dtype, context=case.name)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_varlen_cpu(case, dtype):
+    check_case(case, dtype, "cpu")
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_varlen_cpu_is_the_dense_algorithm_per_sequence(case):
+    inputs = case.make(torch.float32, requires_grad=True)
+    actual = run_varlen(case, inputs)
+    dense = per_sequence(case, inputs, dense_flash_attention(inputs), torch.float32)
+    for name, a, e in zip(NAMES, actual, dense):
+        assert torch.equal(a, e), f"{case.name}: {name} differs from flash_attn_func per sequence"
+
+
+CUDA_CASES = [case for case in VARLEN_CASES if case.cuda_features]
+CUDA_REFUSED_CASES = [case for case in VARLEN_CASES if not case.cuda_features]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.usefixtures("kernel_family")
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CUDA_CASES, ids=str)
+def test_varlen_cuda(case, dtype):
+    check_case(case, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", CUDA_REFUSED_CASES, ids=str)
+def test_varlen_cuda_refuses_softcap_and_alibi(case):
+    inputs = case.make(torch.bfloat16, device="cuda", requires_grad=True)
+    with pytest.raises(NotImplementedError, match=r"(softcap|alibi_slopes) is not implemented on CUDA"):
+        run_varlen(case, inputs)
+
+
+def test_rows_past_seqused_are_zero_with_infinite_lse():
+    case = VARLEN_CASES_BY_NAME["seqused_causal"]
+    inputs = case.make(torch.float32, requires_grad=True)
+    out, lse, dq, dk, dv = run_varlen(case, inputs)
+    for (start_q, used_q), length_q in zip((rows for rows, _ in sequence_rows(case)), case.seqlens_q):
+        unused = slice(start_q + used_q, start_q + length_q)
+        assert torch.equal(out[unused], torch.zeros_like(out[unused]))
+        assert torch.isposinf(lse[:, unused]).all()
+        assert torch.equal(dq[unused], torch.zeros_like(dq[unused]))
+    for (_, (start_k, used_k)), length_k in zip(sequence_rows(case), case.seqlens_k):
+        unused = slice(start_k + used_k, start_k + length_k)
+        assert torch.equal(dk[unused], torch.zeros_like(dk[unused]))
+        assert torch.equal(dv[unused], torch.zeros_like(dv[unused]))
+
+
+def test_packed_variants_match_flash_attn_varlen_func():
+    case = dataclasses.replace(VARLEN_CASES_BY_NAME["mixed_lengths"], nheads=4, nheads_kv=4, causal=True)
+    inputs = case.make(torch.float32)
+    cu_q, cu_k, _, _, max_q, max_k = inputs.sequence_args
+    q, k, v = (t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    expected, expected_lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                                       return_attn_probs=True)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), inputs.dout)
+
+    qkv = torch.stack([inputs.q, inputs.k, inputs.v], dim=1).requires_grad_()
+    out, lse, probs = flash_attn_varlen_qkvpacked_func(qkv, cu_q, max_q, causal=True, return_attn_probs=True)
+    assert probs is None and torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    (dqkv,) = torch.autograd.grad(out, qkv, inputs.dout)
+    assert torch.equal(dqkv, torch.stack(expected_grads, dim=1))
+
+    kv = torch.stack([inputs.k, inputs.v], dim=1).requires_grad_()
+    q2 = inputs.q.clone().requires_grad_()
+    out = flash_attn_varlen_kvpacked_func(q2, kv, cu_q, cu_k, max_q, max_k, causal=True)
+    dq, dkv = torch.autograd.grad(out, (q2, kv), inputs.dout)
+    assert torch.equal(out, expected) and torch.equal(dq, expected_grads[0])
+    assert torch.equal(dkv, torch.stack(expected_grads[1:], dim=1))
+
+
+def test_gradcheck_varlen():
+    case = VarlenCase("gc_varlen", seqlens_q=(3, 0, 5, 2), seqlens_k=(4, 2, 3, 0), head_dim=8,
+                      nheads=2, nheads_kv=1, causal=True, alibi="batch_nheads", seqused_q=(2, 0, 5, 2),
+                      seqused_k=(4, 1, 3, 0))
+    inputs = case.make(torch.float64, requires_grad=True)
+    cu_q, cu_k, used_q, used_k, max_q, max_k = inputs.sequence_args
+
+    def attention(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used_q, seqused_k=used_k,
+                                      **inputs.func_kwargs())
+
+    assert torch.autograd.gradcheck(attention, (inputs.q, inputs.k, inputs.v), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_vmap_refuses_varlen():
+    inputs = VARLEN_CASES_BY_NAME["max_seqlen_slack"].make(torch.float32)
+    args = inputs.forward_op_args()
+    stacked = torch.stack([inputs.q, inputs.q])
+    with pytest.raises(NotImplementedError, match=r"torch.vmap over a call with cu_seqlens or seqused"):
+        torch.vmap(lambda q: forward_op(q, *args[1:])[0])(stacked)
+
+
+def test_signatures_match_flash_attn():
+    # flash-attn 2.x: flash_attn_interface.py; seqused_q/k as FA3 (keyword only here).
+    common = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+              "deterministic", "return_attn_probs"]
+    expected = {
+        flash_attn_varlen_func: ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                 "max_seqlen_k", *common, "block_table", "seqused_q", "seqused_k"],
+        flash_attn_varlen_qkvpacked_func: ["qkv", "cu_seqlens", "max_seqlen", *common],
+        flash_attn_varlen_kvpacked_func: ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                          "max_seqlen_k", *common],
+    }
+    for func, names in expected.items():
+        assert list(inspect.signature(func).parameters) == names, func.__name__
+        assert hasattr(flashattn_ext, func.__name__) and func.__name__ in flashattn_ext.__all__
+
+
+# ---------------------------------------------------------------------------
+# Bad inputs: every message names the argument. Metadata checks run through
+# flash_attn_varlen_func (checks.py), through the op on CPU tensors (the C++ checks)
+# and on meta tensors (the fake kernel's checks, checks.py again); value checks
+# (data) only where there is data, in the C++ kernels.
+
+
+def varlen_args(device, **changes):
+    """Valid arguments of a varlen call (3 sequences, q rows 3, 0, 7; k rows 4, 5, 3),
+    with changes: a function of (the value, the device), or a value."""
+    def int32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    args = dict(q=torch.randn(10, 2, 16, device=device), k=torch.randn(12, 2, 16, device=device),
+                v=torch.randn(12, 2, 16, device=device), cu_seqlens_q=int32([0, 3, 3, 10]),
+                cu_seqlens_k=int32([0, 4, 9, 12]), max_seqlen_q=7, max_seqlen_k=5, seqused_q=None,
+                seqused_k=None, alibi_slopes=None)
+    for name, change in changes.items():
+        args[name] = change(args[name], device) if callable(change) else change
+    return args
+
+
+def call_function(args):
+    return flash_attn_varlen_func(args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
+                                  args["max_seqlen_q"], args["max_seqlen_k"], alibi_slopes=args["alibi_slopes"],
+                                  seqused_q=args["seqused_q"], seqused_k=args["seqused_k"])
+
+
+def call_op(args):
+    return forward_op(args["q"], args["k"], args["v"], 0.25, False, -1, -1, 0.0, args["alibi_slopes"], 0.0,
+                      None, False, args["cu_seqlens_q"], args["cu_seqlens_k"], args["seqused_q"],
+                      args["seqused_k"], args["max_seqlen_q"], args["max_seqlen_k"])
+
+
+def int32(values):
+    return lambda _, device: torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def dense(shape):
+    return lambda _, device: torch.randn(*shape, device=device)
+
+
+BOTH, OP = ("function", "op"), ("op",)
+
+METADATA_CHECKS = [
+    ("cu_seqlens_q_int64", dict(cu_seqlens_q=lambda t, _: t.long()), RuntimeError,
+     r"flashattn_ext: cu_seqlens_q must be int32, got .*(Long|int64)", BOTH),
+    ("cu_seqlens_k_float", dict(cu_seqlens_k=lambda t, _: t.float()), RuntimeError,
+     r"cu_seqlens_k must be int32, got .*(Float|float32)", BOTH),
+    ("cu_seqlens_k_other_device", dict(cu_seqlens_k=lambda t, device: torch.zeros(
+        4, dtype=torch.int32, device="meta" if device == "cpu" else "cpu")),
+     RuntimeError, r"cu_seqlens_k must be on the same device as q: got (meta|cpu), expected (cpu|meta)", BOTH),
+    ("cu_seqlens_k_length", dict(cu_seqlens_k=int32([0, 4, 12])), RuntimeError,
+     r"cu_seqlens_k must have the length of cu_seqlens_q = 4 elements, got 3", BOTH),
+    ("cu_seqlens_q_2d", dict(cu_seqlens_q=lambda t, _: t[None]), RuntimeError,
+     r"cu_seqlens_q must be 1-d with batch \+ 1 >= 1 elements, got shape \[1, 4\]", BOTH),
+    ("cu_seqlens_q_empty", dict(cu_seqlens_q=int32([])), RuntimeError,
+     r"cu_seqlens_q must be 1-d with batch \+ 1 >= 1 elements, got shape \[0\]", BOTH),
+    ("cu_seqlens_q_strided", dict(cu_seqlens_q=lambda t, _: t.repeat_interleave(2)[::2]), RuntimeError,
+     r"cu_seqlens_q must be contiguous: got stride 2, expected 1", BOTH),
+    ("q_rank", dict(q=lambda t, _: t[None]), RuntimeError,
+     r"q must have 3 dimensions \(total, nheads, head_dim\) \(cu_seqlens given\), got 4 dimensions", BOTH),
+    ("v_rank", dict(v=lambda t, _: t[None]), RuntimeError,
+     r"v must have 3 dimensions \(total, nheads, head_dim\) \(cu_seqlens given\), got 4", BOTH),
+    ("v_total_rows", dict(v=lambda t, _: t[:11]), RuntimeError,
+     r"v total rows \(dim 0\) must match k: got 11, expected 12", BOTH),
+    ("k_head_dim", dict(k=lambda t, _: t[..., :8]), RuntimeError,
+     r"k head_dim \(dim 2\) must match q: got 8, expected 16", BOTH),
+    ("nheads_not_divisible", dict(q=dense((10, 3, 16))), RuntimeError,
+     r"q nheads \(dim 1\) must be a multiple of k nheads \(dim 1\): got 3 and 2", BOTH),
+    ("k_3d_without_cu_seqlens_k", dict(cu_seqlens_k=None), RuntimeError,
+     r"k must have 4 dimensions \(batch, seqlen, nheads, head_dim\) \(no cu_seqlens given\), got 3", OP),
+    ("dense_k_batch", dict(cu_seqlens_k=None, max_seqlen_k=-1, k=dense((2, 4, 2, 16)), v=dense((2, 4, 2, 16))),
+     RuntimeError, r"k batch size \(dim 0\) must match cu_seqlens_q's length - 1: got 2, expected 3", OP),
+    ("dense_k_max_seqlen", dict(cu_seqlens_k=None, k=dense((3, 4, 2, 16)), v=dense((3, 4, 2, 16))),
+     RuntimeError, r"max_seqlen_k without cu_seqlens_k must be -1 or k's seqlen \(dim 1\) = 4, got 5", OP),
+    ("missing_max_seqlen_q", dict(max_seqlen_q=-1), RuntimeError,
+     r"max_seqlen_q must be given \(>= 0\) with cu_seqlens_q, got -1", BOTH),
+    ("missing_max_seqlen_k", dict(max_seqlen_k=-1), RuntimeError,
+     r"max_seqlen_k must be given \(>= 0\) with cu_seqlens_k, got -1", BOTH),
+    ("max_seqlen_none", dict(max_seqlen_q=None), TypeError, r"max_seqlen_q must be an int, got NoneType",
+     ("function",)),
+    ("cu_seqlens_none", dict(cu_seqlens_k=None), TypeError, r"cu_seqlens_k must be a torch.Tensor, got NoneType",
+     ("function",)),
+    ("seqused_q_length", dict(seqused_q=int32([1, 0])), RuntimeError,
+     r"seqused_q must have batch = 3 elements, got 2", BOTH),
+    ("seqused_k_int64", dict(seqused_k=lambda _, d: torch.zeros(3, dtype=torch.int64, device=d)), RuntimeError,
+     r"seqused_k must be int32, got", BOTH),
+    ("alibi_one_row_per_sequence", dict(alibi_slopes=lambda _, d: torch.ones(2, 2, device=d)), RuntimeError,
+     r"alibi_slopes must have shape \(nheads,\) = \(2,\) or \(batch, nheads\) = \(3, 2\), got \[2, 2\]", BOTH),
+]
+
+METADATA_PARAMS = [
+    pytest.param(changes, exception, pattern, path, device, id=f"{name}-{path}-{device}")
+    for name, changes, exception, pattern, paths in METADATA_CHECKS
+    for path, device in (("function", "cpu"), ("op", "cpu"), ("op", "meta"))
+    if path in paths
+]
+
+
+@pytest.mark.parametrize("changes,exception,pattern,path,device", METADATA_PARAMS)
+def test_metadata_checks(changes, exception, pattern, path, device):
+    call = call_function if path == "function" else call_op
+    with pytest.raises(exception, match=pattern) as info:
+        call(varlen_args(device, **changes))
+    assert "flashattn_ext: " in str(info.value)
+
+
+VALUE_CHECKS = [
+    ("cu_seqlens_q_last_not_total", dict(cu_seqlens_q=int32([0, 3, 3, 9])),
+     r"cu_seqlens_q\[-1\] \(the total rows\) must equal q's dim 0: got 9, expected 10"),
+    ("cu_seqlens_k_first_not_zero", dict(cu_seqlens_k=int32([1, 4, 9, 12])), r"cu_seqlens_k\[0\] must be 0, got 1"),
+    ("cu_seqlens_q_decreasing", dict(cu_seqlens_q=int32([0, 3, 2, 10]), max_seqlen_q=8),
+     r"cu_seqlens_q must be non-decreasing: got cu_seqlens_q\[2\] = 2 < cu_seqlens_q\[1\] = 3"),
+    ("sequence_longer_than_max_seqlen_q", dict(max_seqlen_q=6),
+     r"sequence 2 of cu_seqlens_q has 7 rows, more than max_seqlen_q = 6"),
+    ("sequence_longer_than_max_seqlen_k", dict(max_seqlen_k=0),
+     r"sequence 0 of cu_seqlens_k has 4 rows, more than max_seqlen_k = 0"),
+    ("seqused_q_past_its_sequence", dict(seqused_q=int32([3, 1, 7])),
+     r"seqused_q\[1\] must be in \[0, 0\] \(the rows of sequence 1\), got 1"),
+    ("seqused_k_negative", dict(seqused_k=int32([4, -1, 3])),
+     r"seqused_k\[1\] must be in \[0, 5\] \(the rows of sequence 1\), got -1"),
+]
+
+
+@pytest.mark.parametrize("changes,pattern", [c[1:] for c in VALUE_CHECKS], ids=[c[0] for c in VALUE_CHECKS])
+def test_value_checks(changes, pattern):
+    with pytest.raises(RuntimeError, match=pattern):
+        call_function(varlen_args("cpu", **changes))
+    # The fake kernel sees no data: the same call traces (the kernel reports it).
+    assert call_op(varlen_args("meta", **changes))[0].shape == (10, 2, 16)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_backward_checks(device):
+    args = varlen_args(device)
+    q = args["q"]
+    backward_args = (args["cu_seqlens_q"], args["cu_seqlens_k"], None, None, 7, 5)
+    with pytest.raises(RuntimeError, match=r"lse must have shape \(nheads, total_q\) = \[2, 10\], got \[1, 2, 10\]"):
+        backward_op(torch.randn_like(q), q, args["k"], args["v"], torch.randn_like(q),
+                    torch.zeros(1, 2, 10, device=device), 0.25, False, -1, -1, 0.0, None, 0.0, None, False,
+                    *backward_args)
+    if device == "cpu":  # the backward checks the values too
+        bad_cu = torch.tensor([0, 4, 3, 12], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match=r"cu_seqlens_k must be non-decreasing"):
+            backward_op(torch.randn_like(q), q, args["k"], args["v"], torch.randn_like(q), torch.zeros(2, 10),
+                        0.25, False, -1, -1, 0.0, None, 0.0, None, False, args["cu_seqlens_q"], bad_cu,
+                        None, None, 7, 5)
+
+
+def test_packed_shape_checks():
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"qkv must have 4 dimensions \(total, 3, nheads, head_dim\), got 5"):
+        flash_attn_varlen_qkvpacked_func(torch.randn(1, 10, 3, 2, 16), cu, 10)
+    with pytest.raises(RuntimeError, match=r"kv dim 1 must be 2 \(total_k, 2, nheads_kv, head_dim\): got 3"):
+        flash_attn_varlen_kvpacked_func(torch.randn(10, 2, 16), torch.randn(10, 3, 2, 16), cu, cu, 10, 10)
+
+
+def test_block_table_is_not_implemented():
+    with pytest.raises(NotImplementedError, match=r"paged KV \(block_table\) is not implemented yet"):
+        args = varlen_args("cpu")
+        flash_attn_varlen_func(args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"], 7, 5,
+                               block_table=torch.zeros(3, 1, dtype=torch.int32))
+
+
+def test_meta_shapes():
+    args = varlen_args("meta")
+    out, lse = call_op(args)
+    assert out.shape == (10, 2, 16) and lse.shape == (2, 10) and lse.dtype == torch.float32
