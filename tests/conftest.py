@@ -25,6 +25,8 @@ import torch  # noqa: E402
 import flashattn_ext
 import flashattn_ext._C  # noqa: F401  (the compiled library itself must import, not just the .py files)
 
+import cmake_build
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE_DIR = pathlib.Path(flashattn_ext.__file__).resolve().parent
 
@@ -67,6 +69,11 @@ def pytest_report_header(config):
         f"CUDA available: {torch.cuda.is_available()}",
     ]
 
+
+@pytest.fixture(scope="session")
+def cmake_cpu_build(tmp_path_factory):
+    """The CPU-only CMake build (about a minute on two cores), built once per session."""
+    return cmake_build.build(tmp_path_factory.mktemp("cmake_cpu"), ["-DFLASHATTN_WITH_CUDA=OFF"])
 
 
 @pytest.fixture(params=("default", "sm80"))

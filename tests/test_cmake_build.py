@@ -7,55 +7,26 @@ The fresh subprocess matters: this test process has already imported the pybind
 module flashattn_ext._C, which registers the same ops, so loading the CMake
 library here would test nothing (and fail on the duplicate TORCH_LIBRARY).
 
-Default: a CPU-only build (-DFLASHATTN_WITH_CUDA=OFF), about a minute on two
-cores. FLASHATTN_TEST_CMAKE_CUDA=1 adds a build with the CUDA kernels (head-dim
-tile 64 only, to keep it short), which also runs them where a GPU is present.
-Skipped, with the reason, where cmake is missing, and where torch is a CUDA
-build but no CUDA toolkit exists (libtorch's CMake config then refuses to
-configure even a CPU-only library).
+Default: the session's CPU-only build (conftest.py's cmake_cpu_build).
+FLASHATTN_TEST_CMAKE_CUDA=1 adds a build with the CUDA
+kernels (head-dim tile 64 only, to keep it short), which also runs them where a GPU
+is present. Skipped, with the reason, where cmake or a needed CUDA toolkit is
+missing (cmake_build.build()).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
-import torch
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-CONFIGURE_TIMEOUT_S = 600
-BUILD_TIMEOUT_S = 3600
-
-
-def _tool(name: str):
-    """`name` on PATH, or next to this interpreter (a venv's bin/, not always on PATH)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    beside = pathlib.Path(sys.executable).parent / name
-    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
-
-
-def _is_cuda_toolkit(root: str) -> bool:
-    return all(os.path.exists(os.path.join(root, p))
-               for p in ("bin/nvcc", "include/cuda_runtime.h", "lib64/libcudart.so"))
-
-
-def _cuda_toolkit():
-    """The toolkit root by the rule of setup.py and CMakeLists.txt, or None."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            return os.environ[var] if _is_cuda_toolkit(os.environ[var]) else None
-    candidates = ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
-    return next((c for c in candidates + ["/opt/cuda", "/usr/lib/cuda"] if _is_cuda_toolkit(c)), None)
+from cmake_build import REPO_ROOT, build, cuda_toolkit
 
 
 def _read_tiles():
@@ -66,51 +37,15 @@ def _read_tiles():
     raise AssertionError("csrc/SOURCES.txt has no `tiles` line")
 
 
-def _run(cmd, cwd, timeout, what):
-    proc = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"{what} failed (exit {proc.returncode}): {' '.join(map(str, cmd))}\n"
-                    f"{proc.stdout[-20000:]}", pytrace=False)
-    return proc.stdout
-
-
-def _build(tmp_path_factory, name, cmake_args):
-    cmake = _tool("cmake")
-    if cmake is None:
-        pytest.skip("cmake is not installed (apt-get install cmake, or pip install cmake)")
-    if torch.version.cuda is not None and _cuda_toolkit() is None:
-        pytest.skip(f"torch {torch.__version__} is a CUDA build and no CUDA toolkit was found: "
-                    "libtorch's CMake config needs one even for FLASHATTN_WITH_CUDA=OFF "
-                    "(set CUDA_HOME, or use a CPU build of torch)")
-    build_dir = tmp_path_factory.mktemp(name)
-    ninja = _tool("ninja")
-    generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
-    configure = [cmake, "-S", str(REPO_ROOT), "-B", str(build_dir), *generator,
-                 f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", *cmake_args]
-    log = _run(configure, build_dir, CONFIGURE_TIMEOUT_S, "cmake configure")
-    jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 2)
-    log += _run([cmake, "--build", str(build_dir), "--parallel", jobs], build_dir,
-                BUILD_TIMEOUT_S, "cmake --build")
-    libraries = sorted(build_dir.glob("libflashattn_ext*.so")) + sorted(build_dir.glob("*flashattn_ext*.dylib"))
-    assert libraries, f"no libflashattn_ext.so in {build_dir}:\n{log[-5000:]}"
-    return libraries[0], build_dir / "generated" / "flashattn_build_config.h", log
-
-
-@pytest.fixture(scope="module")
-def cpu_build(tmp_path_factory):
-    return _build(tmp_path_factory, "cmake_cpu", ["-DFLASHATTN_WITH_CUDA=OFF"])
-
-
 @pytest.fixture(scope="module")
 def cuda_build(tmp_path_factory):
     if os.environ.get("FLASHATTN_TEST_CMAKE_CUDA") != "1":
         pytest.skip("the CMake CUDA build is opt-in: set FLASHATTN_TEST_CMAKE_CUDA=1")
-    if _cuda_toolkit() is None:
+    if cuda_toolkit() is None:
         pytest.skip("FLASHATTN_TEST_CMAKE_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME)")
-    return _build(tmp_path_factory, "cmake_cuda",
-                  ["-DFLASHATTN_WITH_CUDA=ON", "-DFLASHATTN_HEAD_DIMS=64",
-                   "-DCMAKE_CUDA_ARCHITECTURES=80-real;90a-real;90-virtual"])
+    return build(tmp_path_factory.mktemp("cmake_cuda"),
+                 ["-DFLASHATTN_WITH_CUDA=ON", "-DFLASHATTN_HEAD_DIMS=64",
+                  "-DCMAKE_CUDA_ARCHITECTURES=80-real;90a-real;90-virtual"])
 
 
 # Runs in a fresh interpreter: loads the library and checks the ops; prints one
@@ -211,9 +146,8 @@ def _setup_py_version() -> str:
     return re.search(r'^VERSION = "([^"]+)"', (REPO_ROOT / "setup.py").read_text(), re.M).group(1)
 
 
-def test_cmake_cpu_library_loads_and_matches_reference(cpu_build):
-    library, header, _ = cpu_build
-    report = _load_and_check(library, want_cuda=False)
+def test_cmake_cpu_library_loads_and_matches_reference(cmake_cpu_build):
+    report = _load_and_check(cmake_cpu_build.library, want_cuda=False)
     assert not report["cpu_kernel_before_load"], "the ops existed before the library was loaded"
     assert report["cpu_kernels"] == [True, True], report
     assert report["cuda_kernels"] == [False, False], report
@@ -221,18 +155,17 @@ def test_cmake_cpu_library_loads_and_matches_reference(cpu_build):
     assert not bad, json.dumps(bad, indent=1)
 
 
-def test_cmake_cpu_build_config_header(cpu_build):
-    _, header, _ = cpu_build
+def test_cmake_cpu_build_config_header(cmake_cpu_build):
     # The CPU-only header of setup.py's write_build_config: the version and nothing else.
-    assert _macros(header) == {"FLASHATTN_BUILD_VERSION": f'"{_setup_py_version()}"'}
+    assert _macros(cmake_cpu_build.config_header) == {
+        "FLASHATTN_BUILD_VERSION": f'"{_setup_py_version()}"'}
 
 
 @pytest.mark.slow
 def test_cmake_cuda_library(cuda_build):
-    library, header, _ = cuda_build
-    macros = _macros(header)
+    macros = _macros(cuda_build.config_header)
     cuda_version = re.search(r"release (\d+\.\d+)", subprocess.run(
-        [os.path.join(_cuda_toolkit(), "bin", "nvcc"), "--version"],
+        [os.path.join(cuda_toolkit(), "bin", "nvcc"), "--version"],
         stdout=subprocess.PIPE, text=True).stdout).group(1)
     assert macros == {
         "FLASHATTN_BUILD_VERSION": f'"{_setup_py_version()}"',
@@ -244,7 +177,7 @@ def test_cmake_cuda_library(cuda_build):
         "FLASHATTN_BUILD_SM90A": None,
     }
     assert "64" in _read_tiles()
-    report = _load_and_check(library, want_cuda=True)
+    report = _load_and_check(cuda_build.library, want_cuda=True)
     assert report["cpu_kernels"] == [True, True], report
     assert report["cuda_kernels"] == [True, True], report
     bad = [c for c in report["checks"] if not c["ok"]]
