@@ -1,5 +1,6 @@
-"""Configuring and building the CMake project (CMakeLists.txt) from a test; the one
-CPU-only build of a session is conftest.py's fixture cmake_cpu_build.
+"""Configuring and building the CMake project (CMakeLists.txt) from a test, for
+test_cmake_build.py and test_cpp_traced_module.py; the one CPU-only build they share
+is conftest.py's session fixture cmake_cpu_build.
 
 build() skips the calling test, with the reason, where cmake is missing, and where
 torch is a CUDA build but no CUDA toolkit exists (libtorch's CMake config then

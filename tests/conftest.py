@@ -72,8 +72,10 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def cmake_cpu_build(tmp_path_factory):
-    """The CPU-only CMake build (about a minute on two cores), built once per session."""
-    return cmake_build.build(tmp_path_factory.mktemp("cmake_cpu"), ["-DFLASHATTN_WITH_CUDA=OFF"])
+    """The CPU-only CMake build with the examples (about a minute and a half on two
+    cores), built once for test_cmake_build.py and test_cpp_traced_module.py."""
+    return cmake_build.build(tmp_path_factory.mktemp("cmake_cpu"),
+                             ["-DFLASHATTN_WITH_CUDA=OFF", "-DFLASHATTN_BUILD_EXAMPLES=ON"])
 
 
 @pytest.fixture(params=("default", "sm80"))

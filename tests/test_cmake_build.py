@@ -7,8 +7,8 @@ The fresh subprocess matters: this test process has already imported the pybind
 module flashattn_ext._C, which registers the same ops, so loading the CMake
 library here would test nothing (and fail on the duplicate TORCH_LIBRARY).
 
-Default: the session's CPU-only build (conftest.py's cmake_cpu_build).
-FLASHATTN_TEST_CMAKE_CUDA=1 adds a build with the CUDA
+Default: the session's CPU-only build (conftest.py's cmake_cpu_build, shared with
+test_cpp_traced_module.py). FLASHATTN_TEST_CMAKE_CUDA=1 adds a build with the CUDA
 kernels (head-dim tile 64 only, to keep it short), which also runs them where a GPU
 is present. Skipped, with the reason, where cmake or a needed CUDA toolkit is
 missing (cmake_build.build()).

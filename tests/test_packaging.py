@@ -165,7 +165,8 @@ def test_sdist_holds_the_sources_and_license(tmp_path):
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     csrc = {path.relative_to(tree).as_posix() for path in (tree / "csrc").rglob("*") if path.is_file()}
     assert csrc - names == set(), "csrc files missing from the sdist"
-    assert {"LICENSE", "setup.py", "pyproject.toml", "README.md", "CMakeLists.txt"} <= names
+    assert {"LICENSE", "setup.py", "pyproject.toml", "README.md", "CMakeLists.txt",
+            "examples/run_traced_module.cpp"} <= names
 
 
 def test_installed_metadata_names_the_license():
