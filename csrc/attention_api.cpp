@@ -78,7 +78,7 @@ void check_sequence_layout(const at::Tensor& q, const at::Tensor& k, const Seque
     TORCH_CHECK(layout.max_seqlen_q >= 0, "flashattn_ext: max_seqlen_q must be given (>= 0) "
                 "with cu_seqlens_q, got ", layout.max_seqlen_q);
   } else {
-    TORCH_CHECK(layout.max_seqlen_q < 0 || layout.max_seqlen_q == q.size(1), "flashattn_ext: "
+    TORCH_CHECK(layout.max_seqlen_q == -1 || layout.max_seqlen_q == q.size(1), "flashattn_ext: "
                 "max_seqlen_q without cu_seqlens_q must be -1 or q's seqlen (dim 1) = ", q.size(1),
                 ", got ", layout.max_seqlen_q);
   }
@@ -91,7 +91,7 @@ void check_sequence_layout(const at::Tensor& q, const at::Tensor& k, const Seque
     TORCH_CHECK(k.size(0) == batch, "flashattn_ext: k batch size (dim 0) must match ",
                 layout.varlen_q() ? "cu_seqlens_q's length - 1" : "q", ": got ", k.size(0),
                 ", expected ", batch);
-    TORCH_CHECK(layout.max_seqlen_k < 0 || layout.max_seqlen_k == k.size(1), "flashattn_ext: "
+    TORCH_CHECK(layout.max_seqlen_k == -1 || layout.max_seqlen_k == k.size(1), "flashattn_ext: "
                 "max_seqlen_k without cu_seqlens_k must be -1 or k's seqlen (dim 1) = ", k.size(1),
                 ", got ", layout.max_seqlen_k);
   }

@@ -257,7 +257,7 @@ def check_sequence_layout(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayo
         if layout.max_seqlen_q < 0:
             raise RuntimeError("flashattn_ext: max_seqlen_q must be given (>= 0) with cu_seqlens_q, "
                                f"got {layout.max_seqlen_q}")
-    elif not (layout.max_seqlen_q < 0 or layout.max_seqlen_q == q.size(1)):
+    elif not (layout.max_seqlen_q == -1 or layout.max_seqlen_q == q.size(1)):
         raise RuntimeError("flashattn_ext: max_seqlen_q without cu_seqlens_q must be -1 or q's seqlen "
                            f"(dim 1) = {q.size(1)}, got {layout.max_seqlen_q}")
     if layout.varlen_k:
@@ -268,7 +268,7 @@ def check_sequence_layout(q: torch.Tensor, k: torch.Tensor, layout: SequenceLayo
                                f"got {layout.max_seqlen_k}")
     else:
         check_size(k, "k", 0, "batch size", batch, "cu_seqlens_q's length - 1" if layout.varlen_q else "q")
-        if not (layout.max_seqlen_k < 0 or layout.max_seqlen_k == k.size(1)):
+        if not (layout.max_seqlen_k == -1 or layout.max_seqlen_k == k.size(1)):
             raise RuntimeError("flashattn_ext: max_seqlen_k without cu_seqlens_k must be -1 or k's seqlen "
                                f"(dim 1) = {k.size(1)}, got {layout.max_seqlen_k}")
     check_sequence_tensor(layout.seqused_q, "seqused_q", batch, "batch", q)
