@@ -180,9 +180,12 @@ def test_varlen_cuda_refuses_softcap_and_alibi(case):
         run_varlen(case, inputs)
 
 
-def test_rows_past_seqused_are_zero_with_infinite_lse():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_rows_past_seqused_are_zero_with_infinite_lse(device):
     case = VARLEN_CASES_BY_NAME["seqused_causal"]
-    inputs = case.make(torch.float32, requires_grad=True)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    inputs = case.make(dtype, device=device, requires_grad=True)
     out, lse, dq, dk, dv = run_varlen(case, inputs)
     for (start_q, used_q), length_q in zip((rows for rows, _ in sequence_rows(case)), case.seqlens_q):
         unused = slice(start_q + used_q, start_q + length_q)
