@@ -22,10 +22,19 @@ struct SequenceInfo {
   // Bounds are clamped so that no value of cu_seqlens / seqused (checked on the host
   // outside CUDA graph capture) makes a kernel touch rows outside the tensors or past
   // the grid, which is sized by the longest sequence.
-  FLASHATTN_HOST_DEVICE SequenceInfo(const AttentionFwdParams& p, int b)
-      : seqlen_q(0), seqlen_k(0), q_offset(0), k_offset(0) {
+  // `dense` (a compile-time constant where a kernel is instantiated for dense calls
+  // only) skips the per-sequence bounds: the lengths then stay the params' own values,
+  // which the compiler reads from the constant bank instead of holding in registers.
+  FLASHATTN_HOST_DEVICE SequenceInfo(const AttentionFwdParams& p, int b, bool dense = false)
+      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), q_offset(0), k_offset(0) {
+    if (dense) return;
     side(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, p.rows_q, b, seqlen_q, q_offset);
     side(p.cu_seqlens_k, p.seqused_k, p.seqlen_k, p.rows_k, b, seqlen_k, k_offset);
+  }
+  // Whether a call has any per-sequence bound (else every kernel may take `dense`).
+  FLASHATTN_HOST_DEVICE static bool has_sequence_bounds(const AttentionFwdParams& p) {
+    return p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_q != nullptr ||
+           p.seqused_k != nullptr;
   }
 
   // Element (b, row, head, 0) of a tensor with these strides, row counted from the sequence start.

@@ -168,6 +168,9 @@ void make_problem(Problem& pr, int window_left, int window_right, bool mixed_lay
   p.nheads_kv = pr.nheads_kv;
   p.seqlen_q = pr.seqlen_q;
   p.seqlen_k = pr.seqlen_k;
+  p.rows_q = pr.seqlen_q;
+  p.rows_k = pr.seqlen_k;
+  p.lse_strides = TensorStrides{int64_t{pr.nheads_q} * pr.seqlen_q, 1, pr.seqlen_q};
   p.head_dim = d;
   p.softmax_scale = 1.f / std::sqrt(float(d));
   p.softmax_scale_log2 = p.softmax_scale * float(M_LOG2E);
@@ -189,10 +192,13 @@ void make_problem(Problem& pr, int window_left, int window_right, bool mixed_lay
   p.k_strides = p.dv_strides = strides_of(pr.seqlen_k, pr.nheads_kv, d, false);
   p.v_strides = p.dk_strides = strides_of(pr.seqlen_k, pr.nheads_kv, d, mixed_layouts);
 
-  const BackwardWorkspaceGeometry geo = backward_workspace_geometry(pr.seqlen_q, pr.tile);
-  const size_t rows = size_t(pr.batch) * pr.nheads_q * geo.seqlen_q_rounded;
+  const BackwardWorkspaceGeometry geo = backward_workspace_geometry(p, pr.tile);
+  const size_t rows = geo.workspace_rows;
   p.seqlen_q_rounded = static_cast<int>(geo.seqlen_q_rounded);
   p.head_dim_rounded = static_cast<int>(geo.head_dim_rounded);
+  p.workspace_batch_stride = geo.batch_stride;
+  p.workspace_head_stride = geo.head_stride;
+  p.workspace_rows = geo.workspace_rows;
   p.dq_accum = pr.alloc<float>(rows * geo.head_dim_rounded);
   p.softmax_d = pr.alloc<float>(rows);
   p.lse_log2 = pr.alloc<float>(rows);
@@ -210,7 +216,7 @@ void run_forward(const Problem& pr, const DeviceLimits& limits) {
 template <int W>
 void run_backward(const Problem& pr, const DeviceLimits& limits, const char* what) {
   const AttentionBwdParams& p = pr.p;
-  const size_t rows = size_t(pr.batch) * pr.nheads_q * p.seqlen_q_rounded;
+  const size_t rows = p.workspace_rows;
   CUDA_OK(cudaMemset(p.dq, 0xff, pr.q_elems() * sizeof(bf16)));
   CUDA_OK(cudaMemset(p.dk, 0xff, pr.kv_elems() * sizeof(bf16)));
   CUDA_OK(cudaMemset(p.dv, 0xff, pr.kv_elems() * sizeof(bf16)));

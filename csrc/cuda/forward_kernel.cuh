@@ -171,8 +171,9 @@ struct ForwardBlock {
     return int64_t((params.seqlen_q + kBlockM - 1) / kBlockM) * params.batch * params.nheads_q;
   }
 
-  __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN)
-      : seq(params, decode_batch(params, kBlockM)),
+  __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN,
+                                          bool dense = false)
+      : seq(params, decode_batch(params, kBlockM), dense),
         mask{seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right} {
     // Flattened grid (one dimension never overflows for batch * heads > 65535):
     // query blocks vary fastest, heaviest (last) blocks first for causal balance.

@@ -58,7 +58,9 @@ cudaError_t launch_forward_sm90(const AttentionFwdParams& params, cudaStream_t s
                                params.nheads_kv, k_map_batches(params), Shape::kBlockN);
   if (!mapped) return cudaSuccess;
   *launched = true;
-  return launch_on_flat_grid(attention_forward_sm90_kernel<Element, Shape>,
+  const auto kernel = SequenceInfo::has_sequence_bounds(params) ? attention_forward_sm90_kernel<Element, Shape, false>
+                                                                : attention_forward_sm90_kernel<Element, Shape, true>;
+  return launch_on_flat_grid(kernel,
                              ForwardBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads, Shape::kSmemBytes,
                              stream, args);
 }
