@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import bench_common as bc
+from bench_e2e import run_label
 
 
 def load(path: Path):
@@ -91,14 +92,19 @@ def recompute_lines(doc):
 def e2e_lines(doc):
     rows = doc.get("rows", [])
     lines = []
+
+    def is_ours_run(r):
+        # In gpt2_packed ours runs packed; its padded run is one of the compared peers.
+        return r["impl"] == "ours" and r.get("layout") != "padded"
+
     for model in dict.fromkeys(r["model"] for r in rows):
         cells = []
         for r in rows:
-            if r["model"] == model and r["impl"] != "ours":
-                cells.append(f"seq{r['seqlen']} vs {r['impl']} "
+            if r["model"] == model and not is_ours_run(r):
+                cells.append(f"seq{r['seqlen']} vs {run_label(r)} "
                              + (fmt(r.get("ours_speedup"), ".2f", "x") if r.get("ours_speedup")
                                 else r["status"]))
-        ours = [r for r in rows if r["model"] == model and r["impl"] == "ours"]
+        ours = [r for r in rows if r["model"] == model and is_ours_run(r)]
         bad = [f"seq{r['seqlen']} {r['status']}" for r in ours if r["status"] != "ok"]
         lines.append(("end-to-end", f"{model} ({doc.get('model_source')}) ours tokens/s speedup: "
                       + ", ".join(cells) + (f"; ours {', '.join(bad)}" if bad else "")))

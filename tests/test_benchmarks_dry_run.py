@@ -1,10 +1,13 @@
-"""The benchmarks after the README's setup (installed package, no matplotlib): a tiny
-cpu dry run of bench_attention.py and run_all.sh's preflight, in subprocesses."""
+"""The benchmarks after the README's setup (installed package, no matplotlib): tiny
+cpu dry runs of bench_attention.py and of bench_e2e.py's padding-free mode, and
+run_all.sh's preflight, in subprocesses."""
 
 import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -30,6 +33,18 @@ def test_bench_attention_cpu_dry_run_without_matplotlib(tmp_path):
     assert "ours GFLOP/s" in output and "TFLOP/s" not in output
     assert "plots skipped: matplotlib is not installed" in output
     assert (tmp_path / "out" / "attention_speed.json").is_file()
+
+
+def test_bench_e2e_packed_cpu_dry_run(tmp_path):
+    pytest.importorskip("transformers")
+    proc = run([sys.executable, "benchmarks/bench_e2e.py", "--quick", "--device", "cpu",
+                "--models", "gpt2_packed", "--impls", "sdpa", "--out", str(tmp_path / "out")], tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "ours packed" in output and "ours padded" in output and "sdpa padded" in output
+    assert "check gpt2_packed seq 64: first loss ours packed" in output
+    assert "FAILED" not in output
+    assert (tmp_path / "out" / "e2e.json").is_file()
 
 
 def test_run_all_preflight_finds_the_installed_package(tmp_path):

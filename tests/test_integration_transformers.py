@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 
+import flashattn_ext
+
 transformers = pytest.importorskip("transformers")
 fa_hf = pytest.importorskip("flashattn_ext.integrations.transformers")
 
@@ -76,6 +78,33 @@ def test_packed_sequences_from_position_ids_match_sdpa():
         expected = ref(input_ids=ids[:1], position_ids=position_ids, use_cache=False).logits
         got = ours(input_ids=ids[:1], position_ids=position_ids, use_cache=False).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_row_trains_like_sdpa_on_the_padded_batch(monkeypatch):
+    """Padding-free training: the sequences of a right-padded batch concatenated into one
+    row, position_ids restarting per sequence, through flash_attn_varlen_func, give sdpa's
+    loss and weight gradients on the padded batch. The label of each sequence's first token
+    is -100: the model shifts labels by one, and in the padded batch nothing predicts it."""
+    varlen_calls = []
+    varlen = flashattn_ext.flash_attn_varlen_func
+    monkeypatch.setattr(flashattn_ext, "flash_attn_varlen_func",
+                        lambda *args, **kwargs: varlen_calls.append(1) or varlen(*args, **kwargs))
+    ref, ours = model_pair(llama_config())
+    ids, mask = padded_batch("right")
+    valid = mask.bool()
+    positions = torch.arange(SEQ).expand(3, -1)[valid]
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(~valid, -100))
+    packed = dict(input_ids=ids[valid][None], position_ids=positions[None],
+                  labels=ids[valid].masked_fill(positions == 0, -100)[None])
+    losses = {}
+    for model, inputs in ((ref, padded), (ours, packed)):
+        losses[model.config._attn_implementation] = model(**inputs, use_cache=False).loss
+        losses[model.config._attn_implementation].backward()
+    assert len(varlen_calls) == ours.config.num_hidden_layers
+    torch.testing.assert_close(losses[NAME], losses["sdpa"], atol=1e-6, rtol=1e-6)
+    grads = {name: p.grad for name, p in ref.named_parameters()}
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_sliding_window_and_softcap_match_eager():
