@@ -224,16 +224,8 @@ def summarize(rows, impls, modes):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    device = bc.resolve_device(args.device)
-    args = apply_defaults(args, device)
-    bc.import_ours(device)
-    dtype = bc.dtype_from_name(args.dtype)
-    out_dir = bc.ensure_out_dir(args.out)
+    args, device, dtype, out_dir, tcfg, gen, deadline = bc.start_run(parse_args(argv), apply_defaults)
     impls = bc.build_impls(args.impls)
-    tcfg = bc.timing_config_from_args(args, device)
-    gen = bc.make_generator(device, args.seed)
-    deadline = bc.Deadline(args.time_limit_s)
     shapes = build_shapes(args)
     rows, checks = [], []
     need_backward = any(m != "fwd" for m in args.modes)

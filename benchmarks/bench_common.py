@@ -25,7 +25,7 @@ import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,29 @@ class Deadline:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
+
+
+class Run(NamedTuple):
+    """What every benchmark's main() starts from."""
+    args: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    out_dir: Path
+    timing: "TimingConfig | None"  # None for a script without the timing arguments
+    generator: torch.Generator
+    deadline: Deadline
+
+
+def start_run(args, apply_defaults: Callable[[Any, torch.device], Any]) -> Run:
+    """The device (a dry run on the cpu), the script's defaults for it, ours imported and
+    checked, the output folder, timing, a seeded generator and the time limit."""
+    device = resolve_device(args.device)
+    args = apply_defaults(args, device)
+    import_ours(device)
+    return Run(args, device, dtype_from_name(args.dtype), ensure_out_dir(args.out),
+               timing_config_from_args(args, device) if hasattr(args, "budget_ms") else None,
+               make_generator(device, args.seed),
+               Deadline(args.time_limit_s))
 
 
 # --------------------------------------------------------------------------- ours

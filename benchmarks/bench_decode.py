@@ -115,16 +115,8 @@ def plot(rows, copy_gbps, out_dir):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    device = bc.resolve_device(args.device)
-    args = apply_defaults(args, device)
-    bc.import_ours(device)
-    dtype = bc.dtype_from_name(args.dtype)
-    out_dir = bc.ensure_out_dir(args.out)
+    args, device, dtype, out_dir, tcfg, gen, deadline = bc.start_run(parse_args(argv), apply_defaults)
     impls = bc.build_impls(args.impls)
-    tcfg = bc.timing_config_from_args(args, device)
-    gen = bc.make_generator(device, args.seed)
-    deadline = bc.Deadline(args.time_limit_s)
 
     copy_gbps = copy_bandwidth_gbps(device, args.copy_mib, tcfg)
     bc.free_memory(device)

@@ -95,15 +95,8 @@ def rows_status(rows, name):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    device = bc.resolve_device(args.device)
-    args = apply_defaults(args, device)
-    bc.import_ours(device)
-    dtype = bc.dtype_from_name(args.dtype)
-    out_dir = bc.ensure_out_dir(args.out)
+    args, device, dtype, out_dir, _, gen, deadline = bc.start_run(parse_args(argv), apply_defaults)
     impls = bc.build_impls(args.impls)
-    gen = bc.make_generator(device, args.seed)
-    deadline = bc.Deadline(args.time_limit_s)
     scale = 1.0 / math.sqrt(args.head_dim)
     rows = []
 

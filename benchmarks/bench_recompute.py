@@ -62,15 +62,7 @@ def apply_defaults(args, device):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    device = bc.resolve_device(args.device)
-    args = apply_defaults(args, device)
-    bc.import_ours(device)
-    dtype = bc.dtype_from_name(args.dtype)
-    out_dir = bc.ensure_out_dir(args.out)
-    tcfg = bc.timing_config_from_args(args, device)
-    gen = bc.make_generator(device, args.seed)
-    deadline = bc.Deadline(args.time_limit_s)
+    args, device, dtype, out_dir, tcfg, gen, deadline = bc.start_run(parse_args(argv), apply_defaults)
     impls = {impl.name: impl for impl in bc.build_impls(["materialized", "ours"])}
     scale = 1.0 / math.sqrt(args.head_dim)
     nheads = args.hidden // args.head_dim

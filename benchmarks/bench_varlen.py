@@ -168,14 +168,7 @@ def _dout_like(s, out):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    device = bc.resolve_device(args.device)
-    args = apply_defaults(args, device)
-    bc.import_ours(device)
-    dtype = bc.dtype_from_name(args.dtype)
-    out_dir = bc.ensure_out_dir(args.out)
-    tcfg = bc.timing_config_from_args(args, device)
-    gen = bc.make_generator(device, args.seed)
+    args, device, dtype, out_dir, tcfg, gen, _ = bc.start_run(parse_args(argv), apply_defaults)
     lengths = draw_lengths(args.total_tokens, args.min_len, args.max_len, args.seed)
     print(f"{len(lengths)} sequences, {sum(lengths)} tokens, lengths {sorted(lengths)}", flush=True)
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
