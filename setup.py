@@ -222,7 +222,7 @@ def extensions():
     ext = ext_cls(
         name="flashattn_ext._C",
         sources=[os.path.join("csrc", s) for s in sources],
-        include_dirs=[CSRC, os.path.join(CSRC, "cuda"), GENERATED],
+        include_dirs=[CSRC, GENERATED],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags} if with_cuda else {"cxx": cxx_flags},
         extra_link_args=openmp + libstdcxx_link_args(),
     )

@@ -8,7 +8,7 @@
 #include <optional>
 #include <tuple>
 
-#include "attention_params.h"
+#include "common/attention_params.h"
 
 namespace flashattn {
 

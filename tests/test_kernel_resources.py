@@ -41,7 +41,7 @@ def resource_reports(tmp_path_factory):
              "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
              "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
              "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-             f"-I{CSRC}", f"-I{CSRC / 'cuda'}", f"-I{generated}"]
+             f"-I{CSRC}", f"-I{generated}"]
     out_dir = tmp_path_factory.mktemp("objects")
 
     def compile_one(source):

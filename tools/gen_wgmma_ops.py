@@ -1,4 +1,4 @@
-"""Writes csrc/cuda/wgmma_ops.cuh: the wgmma.mma_async instructions the sm_90a
+"""Writes csrc/cuda/sm90/wgmma_ops.cuh: the wgmma.mma_async instructions the sm_90a
 kernels use, one wrapper per (element type, N). An instruction names each of its
 N/2 accumulator registers in the PTX text, which neither templates nor the
 preprocessor can spell out, so this script does.
@@ -85,7 +85,7 @@ struct Wgmma;
         for n in WIDTHS:
             parts.append(ss(ctype, ptx, n))
     parts.append("}  // namespace flashattn\n")
-    path = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda", "wgmma_ops.cuh")
+    path = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda", "sm90", "wgmma_ops.cuh")
     with open(path, "w") as f:
         f.write("\n".join(parts))
 

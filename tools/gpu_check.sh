@@ -100,13 +100,13 @@ except RuntimeError as e:
     sweep)
       # The Hopper kernel's shapes (SWEEP_SHAPES_HEADER: a header defining
       # FLASHATTN_SWEEP_SHAPES, to try others) and the sm80 kernel's.
-      run_stage sweep_build nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc -I csrc/cuda \
+      run_stage sweep_build nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc \
         -DFLASHATTN_SWEEP_SM90 ${SWEEP_SHAPES_HEADER:+-include "$SWEEP_SHAPES_HEADER"} \
         benchmarks/kernels/forward_tile_sweep.cu -o /tmp/forward_tile_sweep_sm90 &&
       TAIL_LINES=80 run_stage sweep_sm90 timeout 300 /tmp/forward_tile_sweep_sm90 ;;
     bwd-check)
       # The Hopper backward against an fp32 reference and the sm80 kernel, then timed.
-      run_stage bwd_check_build nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc -I csrc/cuda \
+      run_stage bwd_check_build nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc \
         benchmarks/kernels/backward_sm90_check.cu -o /tmp/backward_sm90_check &&
       TAIL_LINES=12 run_stage bwd_check timeout 300 /tmp/backward_sm90_check ;;
     bench)

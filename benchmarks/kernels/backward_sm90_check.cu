@@ -1,4 +1,4 @@
-// Standalone check and timing of the Hopper backward main kernel (backward_kernel_sm90.cuh)
+// Standalone check and timing of the Hopper backward main kernel (sm90/backward_kernel.cuh)
 // against the sm_80 backward kernel and a naive fp32 reference, torch-free.
 //
 // Per case: random-normal q, k, v, dout (bf16; v, dout and dk in (batch, heads, seqlen, d)
@@ -17,7 +17,7 @@
 // Exit status: 0 all passed, 1 a check failed or a CUDA error, 3 a kernel hung (60 s).
 //
 // Build (here, then run on the H200):
-//   mkdir -p .devrun && nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc -I csrc/cuda \
+//   mkdir -p .devrun && nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc \
 //     benchmarks/kernels/backward_sm90_check.cu -o .devrun/backward_sm90_check
 // Versions:
 //   v1  d 64 / 128 correctness over ragged, causal, window and GQA cases; timing table.
@@ -33,8 +33,8 @@
 #include <tuple>
 #include <vector>
 
-#include "backward_launch.cuh"
-#include "forward_launch.cuh"
+#include "cuda/backward_launch.cuh"
+#include "cuda/forward_launch.cuh"
 #include "sweep_common.cuh"
 
 using namespace flashattn;

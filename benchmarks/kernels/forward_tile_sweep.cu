@@ -5,7 +5,7 @@
 // csrc/cuda/forward_launch.cuh; torch-free so it builds in seconds.
 //
 // Build (on the GPU machine, or here and carry the binary):
-//   nvcc -std=c++20 -O3 -gencode=arch=compute_90,code=sm_90 -I csrc -I csrc/cuda \
+//   nvcc -std=c++20 -O3 -gencode=arch=compute_90,code=sm_90 -I csrc \
 //        benchmarks/kernels/forward_tile_sweep.cu -o forward_tile_sweep
 //   (the Hopper kernel: -gencode=arch=compute_90a,code=sm_90a -DFLASHATTN_SWEEP_SM90)
 #include <cuda_bf16.h>
@@ -18,8 +18,8 @@
 #include <random>
 #include <vector>
 
-#include "forward_launch.cuh"
-#include "forward_launch_sm90.cuh"
+#include "cuda/forward_launch.cuh"
+#include "cuda/sm90/forward_launch.cuh"
 #include "sweep_common.cuh"
 
 // The candidates, as a list of ForwardTileShape<W, kBlockM, kBlockN, kWarps>

@@ -5,7 +5,7 @@
 // straddle a boundary.
 #pragma once
 
-#include "attention_params.h"
+#include "common/attention_params.h"
 
 namespace flashattn {
 

@@ -5,7 +5,7 @@
 // (a KV cache, pages) changes this file and not the main loops.
 #pragma once
 
-#include "attention_params.h"
+#include "common/attention_params.h"
 
 namespace flashattn {
 

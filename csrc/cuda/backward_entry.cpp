@@ -11,9 +11,9 @@
 
 #include "attention_api.h"
 #include "attention_ops.h"
-#include "backward_launch.h"
-#include "cuda_backend.h"
-#include "head_dim_tiles.h"
+#include "cuda/backward_launch.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/head_dim_tiles.h"
 
 namespace flashattn {
 namespace {

@@ -1,5 +1,5 @@
 // Launch layer of the backward pass: the tile plan, the shared-memory opt-in and the three
-// launches. The main kernel is the Hopper one (backward_launch_sm90.cuh) where it runs, else
+// launches. The main kernel is the Hopper one (sm90/backward_launch.cuh) where it runs, else
 // the mma.sync one below. Included only by the instantiation files (instantiations/bwd_hdim*.cu)
 // and the standalone check benchmarks/kernels/backward_sm90_check.cu.
 #pragma once
@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "backward_kernel.cuh"
-#include "backward_launch.h"
-#include "backward_launch_sm90.cuh"
-#include "kernel_launch.cuh"
+#include "cuda/sm80/backward_kernel.cuh"
+#include "cuda/backward_launch.h"
+#include "cuda/sm90/backward_launch.cuh"
+#include "cuda/common/kernel_launch.cuh"
 
 namespace flashattn {
 namespace backward {

@@ -7,8 +7,8 @@
 
 #include <cstdint>
 
-#include "attention_params.h"
-#include "device_limits.h"
+#include "common/attention_params.h"
+#include "cuda/device_limits.h"
 
 namespace flashattn {
 

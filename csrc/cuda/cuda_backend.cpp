@@ -1,4 +1,4 @@
-#include "cuda_backend.h"
+#include "cuda/cuda_backend.h"
 
 #include <c10/util/Exception.h>
 

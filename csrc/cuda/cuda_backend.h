@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "attention_api.h"
-#include "head_dim_tiles.h"
+#include "cuda/head_dim_tiles.h"
 
 namespace flashattn {
 

@@ -8,8 +8,8 @@
 
 #include "attention_api.h"
 #include "attention_ops.h"
-#include "cuda_backend.h"
-#include "forward_launch.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/forward_launch.h"
 
 namespace flashattn {
 namespace {

@@ -4,8 +4,8 @@
 
 #include <cuda_runtime.h>
 
-#include "attention_params.h"
-#include "device_limits.h"
+#include "common/attention_params.h"
+#include "cuda/device_limits.h"
 
 namespace flashattn {
 

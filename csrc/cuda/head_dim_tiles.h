@@ -7,7 +7,7 @@
 
 #include <cuda_runtime.h>
 
-#include "device_limits.h"
+#include "cuda/device_limits.h"
 #include "flashattn_build_config.h"
 
 namespace flashattn {

@@ -1,5 +1,5 @@
 // Backward kernels for head-dim tile width 256 (bf16 and fp16).
-#include "backward_launch.cuh"
+#include "cuda/backward_launch.cuh"
 
 namespace flashattn {
 FLASHATTN_INSTANTIATE_BACKWARD(256)

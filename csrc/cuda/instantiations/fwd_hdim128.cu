@@ -1,5 +1,5 @@
 // Forward kernels for head-dim tile width 128 (bf16 and fp16).
-#include "forward_launch.cuh"
+#include "cuda/forward_launch.cuh"
 
 namespace flashattn {
 FLASHATTN_INSTANTIATE_FORWARD(128)

@@ -29,11 +29,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attention_mask.h"
-#include "attention_params.h"
-#include "mma_primitives.cuh"
-#include "sequence_info.h"
-#include "smem_tile.cuh"
+#include "common/attention_mask.h"
+#include "common/attention_params.h"
+#include "cuda/common/mma_primitives.cuh"
+#include "common/sequence_info.h"
+#include "cuda/sm80/smem_tile.cuh"
 
 namespace flashattn {
 

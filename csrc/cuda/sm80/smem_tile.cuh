@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "mma_primitives.cuh"
+#include "cuda/common/mma_primitives.cuh"
 
 namespace flashattn {
 

@@ -51,7 +51,7 @@
 // stores): as fast, but ordered only by the mbarriers, which compute-sanitizer's racecheck does
 // not model (it reported those accesses as races).
 //
-// Tiles (Sm90BackwardShape, chosen in backward_launch_sm90.cuh). What bounds them:
+// Tiles (Sm90BackwardShape, chosen in sm90/backward_launch.cuh). What bounds them:
 //  - registers (240 per consumer thread after setmaxnreg): by keys, dK + dV take W (128 at
 //    W = 128), Sᵀ and dPᵀ 64, then Pᵀ, dSᵀ as A fragments 32 and dQ W / 4; by head dims,
 //    dK + dV take 128, Sᵀ and dPᵀ 32, dQ 64.
@@ -76,9 +76,9 @@
 
 #include <cuda.h>
 
-#include "backward_kernel.cuh"
-#include "hopper_primitives.cuh"
-#include "wgmma_ops.cuh"
+#include "cuda/sm80/backward_kernel.cuh"
+#include "cuda/sm90/hopper_primitives.cuh"
+#include "cuda/sm90/wgmma_ops.cuh"
 
 namespace flashattn {
 
@@ -454,7 +454,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     }
   }
 #else
-  __trap();  // launched only where the sm_90a image exists (backward_launch_sm90.cuh)
+  __trap();  // launched only where the sm_90a image exists (sm90/backward_launch.cuh)
 #endif
 }
 

@@ -1,4 +1,4 @@
-// Launch layer of the Hopper backward main kernel (backward_kernel_sm90.cuh): its tile plan,
+// Launch layer of the Hopper backward main kernel (sm90/backward_kernel.cuh): its tile plan,
 // the TMA maps, the shared-memory opt-in, the grid. backward_launch.cuh calls it first, between
 // the shared preprocess and postprocess kernels, on sm_90 devices of builds that compiled the
 // sm_90a image, for non-deterministic calls.
@@ -13,14 +13,14 @@
 #include <cuda_runtime.h>
 
 
-#include "backward_kernel_sm90.cuh"
-#include "kernel_launch.cuh"
-#include "tma_tile_map.cuh"
+#include "cuda/sm90/backward_kernel.cuh"
+#include "cuda/common/kernel_launch.cuh"
+#include "cuda/sm90/tma_tile_map.cuh"
 
 namespace flashattn {
 
 // The Hopper backward plan per head-dim tile width W (void: none, the mma.sync kernel runs).
-// What bounds it (backward_kernel_sm90.cuh has the details):
+// What bounds it (sm90/backward_kernel.cuh has the details):
 //  - registers: split by keys, dK + dV take W of the 240 registers a consumer thread has and
 //    Sᵀ + dPᵀ 64 more, so W = 256 splits the head dimension instead (128 + 32); W = 32, 96, 192
 //    are not whole 128-byte swizzle columns (192 would be, split by head dims, only as 96 + 96);

@@ -34,9 +34,9 @@
 
 #include <cuda.h>
 
-#include "forward_kernel.cuh"
-#include "hopper_primitives.cuh"
-#include "wgmma_ops.cuh"
+#include "cuda/sm80/forward_kernel.cuh"
+#include "cuda/sm90/hopper_primitives.cuh"
+#include "cuda/sm90/wgmma_ops.cuh"
 
 namespace flashattn {
 

@@ -5,9 +5,9 @@
 
 #include <cuda_runtime.h>
 
-#include "forward_kernel_sm90.cuh"
-#include "kernel_launch.cuh"
-#include "tma_tile_map.cuh"
+#include "cuda/sm90/forward_kernel.cuh"
+#include "cuda/common/kernel_launch.cuh"
+#include "cuda/sm90/tma_tile_map.cuh"
 
 namespace flashattn {
 

@@ -11,8 +11,8 @@
 
 #include <type_traits>
 
-#include "attention_params.h"
-#include "hopper_primitives.cuh"
+#include "common/attention_params.h"
+#include "cuda/sm90/hopper_primitives.cuh"
 
 namespace flashattn {
 
