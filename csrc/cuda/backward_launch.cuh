@@ -7,16 +7,13 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "cuda/sm80/backward_kernel.cuh"
 #include "cuda/backward_launch.h"
-#include "cuda/sm90/backward_launch.cuh"
 #include "cuda/common/kernel_launch.cuh"
+#include "cuda/sm80/backward_kernel.cuh"
+#include "cuda/sm90/backward_launch.cuh"
 
 namespace flashattn {
 namespace backward {
-
-static_assert(kQueryRowRounding == kBackwardQueryRowRounding && kMinBlockM == kBackwardMinBlockM,
-              "host and device workspace geometry disagree");
 
 // The tile plan, per head-dim tile W: BackwardTile<W, BN, BM, kWarpsD, kStages, kDqWarpsQ,
 // kDqChunk>. What bounds it:
@@ -64,40 +61,6 @@ struct BackwardPlans<256> {
   using Large = BackwardTile<256, 64, 64, 2, 2, 2, 128>;
   using Small = BackwardTile<256, 32, 32, 2, 1, 1, 128>;
 };
-
-inline unsigned int grid_stride_blocks(int64_t work_items, int items_per_block) {
-  const int64_t blocks = (work_items + items_per_block - 1) / items_per_block;
-  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1 << 20)));
-}
-
-// The three passes around any main kernel: zero the dQ workspace (and the semaphores), the
-// preprocess (D, lse2), launch_main(), the postprocess (dq in the output dtype).
-template <typename Element, typename LaunchMain>
-cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream,
-                                const LaunchMain& launch_main) {
-  const int64_t heads = static_cast<int64_t>(p.batch) * p.nheads_q;
-  cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * p.workspace_rows * p.head_dim_rounded, stream);
-  if (err != cudaSuccess) return err;
-  if (p.deterministic) {
-    err = cudaMemsetAsync(p.dq_semaphore, 0,
-                          sizeof(int) * heads * (p.seqlen_q_rounded / kMinBlockM), stream);
-    if (err != cudaSuccess) return err;
-  }
-
-  attention_backward_preprocess_kernel<Element>
-      <<<grid_stride_blocks(heads * p.seqlen_q_rounded, kPrepThreads / kPrepLanesPerRow),
-         kPrepThreads, 0, stream>>>(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-
-  err = launch_main();
-  if (err != cudaSuccess) return err;
-
-  attention_backward_postprocess_kernel<Element>
-      <<<grid_stride_blocks(heads * p.seqlen_q * (p.head_dim / 8), kPostThreads), kPostThreads, 0,
-         stream>>>(p);
-  return cudaGetLastError();
-}
 
 template <typename Element, typename Tile>
 cudaError_t launch_main_kernel(const AttentionBwdParams& p, cudaStream_t stream) {

@@ -4,10 +4,10 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/sm80/forward_kernel.cuh"
-#include "cuda/forward_launch.h"
-#include "cuda/sm90/forward_launch.cuh"
 #include "cuda/common/kernel_launch.cuh"
+#include "cuda/forward_launch.h"
+#include "cuda/sm80/forward_kernel.cuh"
+#include "cuda/sm90/forward_launch.cuh"
 
 namespace flashattn {
 

@@ -65,17 +65,13 @@
 #include "common/attention_mask.h"
 #include "common/attention_params.h"
 #include "cuda/backward_launch.h"
+#include "cuda/common/backward_passes.cuh"
 #include "cuda/common/mma_primitives.cuh"
-#include "common/sequence_info.h"
+#include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm80/smem_tile.cuh"
 
 namespace flashattn {
 namespace backward {
-
-// Workspace rows per head are padded to this many queries (a multiple of every BM), and the
-// semaphores are laid out for the smallest BM, so the host can size both without the plan.
-constexpr int kQueryRowRounding = 128;
-constexpr int kMinBlockM = 16;
 
 // One plan: head-dim tile W, BN keys and BM queries per block, kWarpsD warps sharing the key
 // rows of a warp (splitting queries for Sᵀ/dPᵀ and head dims for dK/dV), kStages buffers of
@@ -121,7 +117,7 @@ struct BackwardTile {
   static_assert(kDimsPerWarp % 16 == 0, "B fragments are loaded two n-tiles at a time");
   static_assert(kWarps % kDqWarpsQ == 0 && kDqRowsPerWarp % 16 == 0, "dQ warp rows");
   static_assert(kHeadDimTile % kDqChunk == 0 && kDqColsPerWarp % 16 == 0, "dQ warp columns");
-  static_assert(kQueryRowRounding % kBlockM == 0 && kBlockM >= kMinBlockM, "workspace padding");
+  static_assert(kBackwardQueryRowRounding % kBlockM == 0 && kBlockM >= kBackwardMinBlockM, "workspace padding");
   static_assert(kBlockM / 2 <= kThreads, "one cp.async per 4 floats of lse2 and D");
   static_assert(kStages == 1 || kStages == 2, "single or double buffered");
 };
@@ -233,15 +229,6 @@ __device__ __forceinline__ float2 unpack_pair<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
-__device__ __forceinline__ void red_add_pair(float* dst, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
-#else
-  atomicAdd(dst, a);
-  atomicAdd(dst + 1, b);
-#endif
-}
-
 __device__ __forceinline__ int load_acquire(const int* ptr) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
@@ -250,135 +237,6 @@ __device__ __forceinline__ int load_acquire(const int* ptr) {
 
 __device__ __forceinline__ void store_release(int* ptr, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
-}
-
-// What one thread block of the backward main kernels owns: the kBlockN keys from n0 of KV
-// head h_kv of batch b (flattened into blockIdx.x, key blocks fastest), and, for each of the
-// `group` query heads sharing that KV head, the num_m query blocks from m_first that see one
-// of those keys: num_iters = group * num_m (query head, query block) pairs.
-struct BackwardBlock {
-  int n0, h_kv, b, group;
-  int m_first, num_m, num_iters;
-  bool empty;  // the block starts past its sequence's last key (the grid fits the longest)
-  SequenceInfo seq;
-  MaskGeometry mask;
-
-  // The grid that the constructor decodes: key blocks x KV heads x batch.
-  static int64_t grid_blocks(const AttentionBwdParams& p, int kBlockN) {
-    return int64_t((p.seqlen_k + kBlockN - 1) / kBlockN) * p.batch * p.nheads_kv;
-  }
-
-  __device__ __forceinline__ BackwardBlock(const AttentionBwdParams& p, int kBlockM, int kBlockN)
-      : seq(p, static_cast<int>(blockIdx.x / ((p.seqlen_k + kBlockN - 1) / kBlockN)) / p.nheads_kv),
-        mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right} {
-    const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-    const int bh_kv = static_cast<int>(blockIdx.x / num_n_blocks);
-    n0 = static_cast<int>(blockIdx.x % num_n_blocks) * kBlockN;
-    h_kv = bh_kv % p.nheads_kv;
-    b = bh_kv / p.nheads_kv;
-    group = p.nheads_q / p.nheads_kv;
-    empty = n0 >= seq.seqlen_k;
-    const int query_begin = mask.query_begin(n0);
-    const int query_end = mask.query_end(min(n0 + kBlockN, seq.seqlen_k));
-    m_first = query_begin / kBlockM;
-    num_m = query_end > query_begin ? (query_end + kBlockM - 1) / kBlockM - m_first : 0;
-    num_iters = group * num_m;
-  }
-};
-
-// The queries [begin, end) that see each of a lane's two key rows, key and key + 8 (rows g and
-// g + 8 of a warp's 16 in the m16n8 accumulator layout): the element mask of a straddling tile
-// is then two compares per score. A key past seqlen_k gets an empty range.
-__device__ __forceinline__ void lane_visible_queries(const MaskGeometry& mask, int key, int (&begin)[2],
-                                                     int (&end)[2]) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int k = key + 8 * half;
-    begin[half] = mask.query_begin(k);
-    end[half] = k < mask.seqlen_k ? mask.query_end(k + 1) : 0;
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// 1. D = rowsum(dO ∘ O) and lse2 = lse·log2(e) for every (batch, head, padded query row).
-// Eight lanes share a row, each reading 16-byte chunks, so a row is read in 128-byte pieces.
-constexpr int kPrepThreads = 256;
-constexpr int kPrepLanesPerRow = 8;
-
-template <typename Element>
-__global__ void __launch_bounds__(kPrepThreads) attention_backward_preprocess_kernel(
-    const AttentionBwdParams p) {
-  constexpr int kRowsPerBlock = kPrepThreads / kPrepLanesPerRow;
-  // (batch, head, row < seqlen_q_rounded), whatever the workspace layout: each sequence's rows
-  // and the padding up to its whole 128-row blocks.
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q_rounded;
-  const int sub = threadIdx.x % kPrepLanesPerRow;
-  // The loop bound is uniform over the block, so every lane reaches the shuffles.
-  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; row0 < rows;
-       row0 += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
-    const int64_t row = row0 + threadIdx.x / kPrepLanesPerRow;
-    const int64_t bh = row / p.seqlen_q_rounded;
-    const int i = static_cast<int>(row - bh * p.seqlen_q_rounded);
-    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
-    const SequenceInfo seq(p, row < rows ? b : 0);
-    const bool real = row < rows && i < seq.seqlen_q;
-    // A variable-length sequence owns only its own padded blocks of the workspace.
-    const bool owned = row < rows && (p.cu_seqlens_q == nullptr || i < round_up_rows(seq.seqlen_q));
-    float acc = 0.f;
-    if (real) {
-      const Element* o = seq.q_row(static_cast<const Element*>(p.out), p.out_strides, b, h, i);
-      const Element* d = seq.q_row(static_cast<const Element*>(p.dout), p.dout_strides, b, h, i);
-      for (int c = sub * 8; c < p.head_dim; c += 8 * kPrepLanesPerRow) {
-        const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-        const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
-        const Element* oe = reinterpret_cast<const Element*>(&ov);
-        const Element* de = reinterpret_cast<const Element*>(&dv);
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          acc = fmaf(MmaElement<Element>::to_float(oe[e]), MmaElement<Element>::to_float(de[e]), acc);
-      }
-    }
-#pragma unroll
-    for (int offset = 1; offset < kPrepLanesPerRow; offset *= 2)
-      acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (owned && sub == 0) {
-      const int64_t w = backward_workspace_row(p, seq.q_offset, b, h) + i;
-      p.softmax_d[w] = acc;
-      p.lse_log2[w] = real ? *seq.lse_row(p, b, h, i) * 1.4426950408889634f : INFINITY;
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// 3. dq = dq_accum · softmax_scale, 8 head dims per thread.
-constexpr int kPostThreads = 256;
-
-template <typename Element>
-__global__ void __launch_bounds__(kPostThreads) attention_backward_postprocess_kernel(
-    const AttentionBwdParams p) {
-  const int chunks = p.head_dim / 8;
-  const int64_t total = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q * chunks;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kPostThreads + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * kPostThreads) {
-    const int c = static_cast<int>(idx % chunks);
-    const int64_t r = idx / chunks;
-    const int i = static_cast<int>(r % p.seqlen_q);
-    const int64_t bh = r / p.seqlen_q;
-    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
-    const SequenceInfo seq(p, b);
-    if (i >= seq.seqlen_q) continue;
-    const float* src = p.dq_accum + (backward_workspace_row(p, seq.q_offset, b, h) + i) * p.head_dim_rounded + c * 8;
-    const float4 lo = *reinterpret_cast<const float4*>(src);
-    const float4 hi = *reinterpret_cast<const float4*>(src + 4);
-    const float s = p.softmax_scale;
-    uint4 packed;
-    packed.x = MmaElement<Element>::pack(lo.x * s, lo.y * s);
-    packed.y = MmaElement<Element>::pack(lo.z * s, lo.w * s);
-    packed.z = MmaElement<Element>::pack(hi.x * s, hi.y * s);
-    packed.w = MmaElement<Element>::pack(hi.z * s, hi.w * s);
-    Element* dst = seq.q_row(static_cast<Element*>(p.dq), p.dq_strides, b, h, i);
-    *reinterpret_cast<uint4*>(dst + c * 8) = packed;
-  }
 }
 
 // A sequence's rows as the main kernel addresses them (SequenceInfo and the workspace row).
@@ -607,7 +465,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     int turn = 0;
     if (p.deterministic) {
       semaphore = p.dq_semaphore +
-                  (static_cast<int64_t>(b) * p.nheads_q + h) * (p.seqlen_q_rounded / kMinBlockM) +
+                  (static_cast<int64_t>(b) * p.nheads_q + h) * (p.seqlen_q_rounded / kBackwardMinBlockM) +
                   m_block;
       turn = n0 / BN - seq.mask(p).key_begin(m0) / BN;
       if (tid == 0) {

@@ -1,9 +1,9 @@
 // Main backward kernel for Hopper (sm_90a): wgmma tensor-core products fed by TMA, with a
 // producer warpgroup and two consumer warpgroups. It replaces only the main kernel of
-// backward_kernel.cuh; the preprocess (D, lse2, zeroed dQ workspace) and postprocess (dq in the
-// output dtype) kernels run around it unchanged, and so do the block ownership and the mask
-// handling: one thread block per (key block, kv head, batch), flattened into blockIdx.x, keeps
-// dK and dV of its kBlockN keys in registers while it walks every query head of its GQA group
+// sm80/backward_kernel.cuh; the passes of common/backward_passes.cuh (D, lse2, zeroed dQ
+// workspace; dq in the output dtype) run around it, and common/tile_scheduler.cuh gives the
+// block ownership and the mask handling: one thread block per (key block, kv head, batch),
+// flattened into blockIdx.x, keeps dK and dV of its kBlockN keys in registers while it walks every query head of its GQA group
 // and, per head, the query blocks that see one of its keys (MaskGeometry ranges); the element
 // mask runs only on the tiles a boundary cuts.
 //
@@ -76,7 +76,12 @@
 
 #include <cuda.h>
 
-#include "cuda/sm80/backward_kernel.cuh"
+#include "common/attention_mask.h"
+#include "common/attention_params.h"
+#include "cuda/backward_launch.h"
+#include "cuda/common/backward_passes.cuh"
+#include "cuda/common/mma_primitives.cuh"
+#include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm90/hopper_primitives.cuh"
 #include "cuda/sm90/wgmma_ops.cuh"
 
@@ -124,7 +129,7 @@ struct Sm90BackwardShape {
   static_assert(kAccColumns % sm90::kSwizzleElements == 0, "a warpgroup's dK, dV columns are whole column blocks");
   static_assert(kBlockM == sm90::kSwizzleElements, "a score-tile row is one swizzle row (the MN-major A of dQ)");
   static_assert(kBlockN == kKeysPerWarpgroup * (kSplitHeadDim ? 1 : kConsumerWarpgroups), "key ownership");
-  static_assert(backward::kQueryRowRounding % kBlockM == 0, "lse2 / D reads of a block stay in the workspace");
+  static_assert(kBackwardQueryRowRounding % kBlockM == 0, "lse2 / D reads of a block stay in the workspace");
   static_assert(2 * kBlockM <= kConsumerThreads, "one consumer thread per lse2 or D value");
   static_assert(kSmemBytes <= 227 * 1024, "fits the shared memory of an sm_90 block");
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
@@ -216,7 +221,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const auto full = [&](int stage) { return barriers + 8 * (1 + stage); };
   const auto empty = [&](int stage) { return barriers + 8 * (1 + kStages + stage); };
 
-  const backward::BackwardBlock blk(p, BM, BN);
+  const BackwardBlock blk(p, BM, BN);
   if (blk.empty) return;
   const SequenceInfo& seq = blk.seq;
   const int64_t workspace_sequence = backward_workspace_sequence(p, seq.q_offset, blk.b);
@@ -270,7 +275,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int acc_col0 = kSplit ? consumer * NA : 0;
 
   int visible_begin[2], visible_end[2];
-  backward::lane_visible_queries(mask, n0 + key_row0 + g, visible_begin, visible_end);
+  lane_visible_queries(mask, n0 + key_row0 + g, visible_begin, visible_end);
 
   float acc_dk[NA / 2], acc_dv[NA / 2];
 #pragma unroll

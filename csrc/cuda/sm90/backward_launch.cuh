@@ -61,7 +61,7 @@ bool make_backward_sm90_args(const AttentionBwdParams& params, Sm90BackwardArgs*
 template <typename Element, typename Shape>
 cudaError_t launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   return launch_on_flat_grid(attention_backward_sm90_kernel<Element, Shape>,
-                             backward::BackwardBlock::grid_blocks(args.params, Shape::kBlockN), Shape::kThreads,
+                             BackwardBlock::grid_blocks(args.params, Shape::kBlockN), Shape::kThreads,
                              Shape::kSmemBytes, stream, args);
 }
 

@@ -1,7 +1,7 @@
 // Forward attention kernel for Hopper (sm_90a): wgmma tensor-core products fed
 // by TMA, with a producer warpgroup and consumer warpgroups (FlashAttention-3 class).
 //
-// Same algorithm and block ownership as forward_kernel.cuh (one thread block per
+// Same algorithm and block ownership as sm80/forward_kernel.cuh (one thread block per
 // kBlockM query rows of one (batch, head), key blocks last first, the element
 // mask only on the blocks a boundary cuts), different machinery:
 //  - warpgroup 0 is the producer: one thread issues TMA copies of Q once and of
@@ -12,7 +12,7 @@
 //  - each consumer warpgroup owns 64 query rows: S = Q K^T is one chain of
 //    wgmma with Q and K from shared memory, the softmax runs on the accumulator
 //    registers (the wgmma m64 accumulator of each warp has the m16n8 layout of
-//    mma.sync, so forward_kernel.cuh's softmax_scores is reused as is), and
+//    mma.sync, so common/online_softmax.cuh serves both), and
 //    O += P V takes P from registers and V from shared memory (MN-major).
 //  - within a warpgroup the two products overlap the softmax: S_{j+1} = Q K_{j+1}^T
 //    is issued before O += P_j V_j, and its softmax runs while P_j V_j does.
@@ -34,7 +34,11 @@
 
 #include <cuda.h>
 
-#include "cuda/sm80/forward_kernel.cuh"
+#include "common/attention_params.h"
+#include "cuda/common/forward_epilogue.cuh"
+#include "cuda/common/mma_primitives.cuh"
+#include "cuda/common/online_softmax.cuh"
+#include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm90/hopper_primitives.cuh"
 #include "cuda/sm90/wgmma_ops.cuh"
 

@@ -1,0 +1,146 @@
+// The passes around the backward's main kernel, shared by both kernel families: zeroing
+// the dQ workspace, the preprocess (D, lse2), the postprocess (dq in the output dtype),
+// and the fp32 reduction into the dQ workspace that the main kernels use.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "common/sequence_info.h"
+#include "cuda/backward_launch.h"
+#include "cuda/common/mma_primitives.cuh"
+
+namespace flashattn {
+namespace backward {
+
+__device__ __forceinline__ void red_add_pair(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. D = rowsum(dO ∘ O) and lse2 = lse·log2(e) for every (batch, head, padded query row).
+// Eight lanes share a row, each reading 16-byte chunks, so a row is read in 128-byte pieces.
+constexpr int kPrepThreads = 256;
+constexpr int kPrepLanesPerRow = 8;
+
+template <typename Element>
+__global__ void __launch_bounds__(kPrepThreads) attention_backward_preprocess_kernel(
+    const AttentionBwdParams p) {
+  constexpr int kRowsPerBlock = kPrepThreads / kPrepLanesPerRow;
+  // (batch, head, row < seqlen_q_rounded), whatever the workspace layout: each sequence's rows
+  // and the padding up to its whole 128-row blocks.
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q_rounded;
+  const int sub = threadIdx.x % kPrepLanesPerRow;
+  // The loop bound is uniform over the block, so every lane reaches the shuffles.
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; row0 < rows;
+       row0 += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
+    const int64_t row = row0 + threadIdx.x / kPrepLanesPerRow;
+    const int64_t bh = row / p.seqlen_q_rounded;
+    const int i = static_cast<int>(row - bh * p.seqlen_q_rounded);
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const SequenceInfo seq(p, row < rows ? b : 0);
+    const bool real = row < rows && i < seq.seqlen_q;
+    // A variable-length sequence owns only its own padded blocks of the workspace.
+    const bool owned = row < rows && (p.cu_seqlens_q == nullptr || i < round_up_rows(seq.seqlen_q));
+    float acc = 0.f;
+    if (real) {
+      const Element* o = seq.q_row(static_cast<const Element*>(p.out), p.out_strides, b, h, i);
+      const Element* d = seq.q_row(static_cast<const Element*>(p.dout), p.dout_strides, b, h, i);
+      for (int c = sub * 8; c < p.head_dim; c += 8 * kPrepLanesPerRow) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+        const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
+        const Element* oe = reinterpret_cast<const Element*>(&ov);
+        const Element* de = reinterpret_cast<const Element*>(&dv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          acc = fmaf(MmaElement<Element>::to_float(oe[e]), MmaElement<Element>::to_float(de[e]), acc);
+      }
+    }
+#pragma unroll
+    for (int offset = 1; offset < kPrepLanesPerRow; offset *= 2)
+      acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (owned && sub == 0) {
+      const int64_t w = backward_workspace_row(p, seq.q_offset, b, h) + i;
+      p.softmax_d[w] = acc;
+      p.lse_log2[w] = real ? *seq.lse_row(p, b, h, i) * 1.4426950408889634f : INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. dq = dq_accum · softmax_scale, 8 head dims per thread.
+constexpr int kPostThreads = 256;
+
+template <typename Element>
+__global__ void __launch_bounds__(kPostThreads) attention_backward_postprocess_kernel(
+    const AttentionBwdParams p) {
+  const int chunks = p.head_dim / 8;
+  const int64_t total = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q * chunks;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kPostThreads + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * kPostThreads) {
+    const int c = static_cast<int>(idx % chunks);
+    const int64_t r = idx / chunks;
+    const int i = static_cast<int>(r % p.seqlen_q);
+    const int64_t bh = r / p.seqlen_q;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const SequenceInfo seq(p, b);
+    if (i >= seq.seqlen_q) continue;
+    const float* src = p.dq_accum + (backward_workspace_row(p, seq.q_offset, b, h) + i) * p.head_dim_rounded + c * 8;
+    const float4 lo = *reinterpret_cast<const float4*>(src);
+    const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+    const float s = p.softmax_scale;
+    uint4 packed;
+    packed.x = MmaElement<Element>::pack(lo.x * s, lo.y * s);
+    packed.y = MmaElement<Element>::pack(lo.z * s, lo.w * s);
+    packed.z = MmaElement<Element>::pack(hi.x * s, hi.y * s);
+    packed.w = MmaElement<Element>::pack(hi.z * s, hi.w * s);
+    Element* dst = seq.q_row(static_cast<Element*>(p.dq), p.dq_strides, b, h, i);
+    *reinterpret_cast<uint4*>(dst + c * 8) = packed;
+  }
+}
+
+inline unsigned int grid_stride_blocks(int64_t work_items, int items_per_block) {
+  const int64_t blocks = (work_items + items_per_block - 1) / items_per_block;
+  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1 << 20)));
+}
+
+// The three passes around any main kernel: zero the dQ workspace (and the semaphores), the
+// preprocess (D, lse2), launch_main(), the postprocess (dq in the output dtype).
+template <typename Element, typename LaunchMain>
+cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream,
+                                const LaunchMain& launch_main) {
+  const int64_t heads = static_cast<int64_t>(p.batch) * p.nheads_q;
+  cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * p.workspace_rows * p.head_dim_rounded, stream);
+  if (err != cudaSuccess) return err;
+  if (p.deterministic) {
+    err = cudaMemsetAsync(p.dq_semaphore, 0,
+                          sizeof(int) * heads * (p.seqlen_q_rounded / kBackwardMinBlockM), stream);
+    if (err != cudaSuccess) return err;
+  }
+
+  attention_backward_preprocess_kernel<Element>
+      <<<grid_stride_blocks(heads * p.seqlen_q_rounded, kPrepThreads / kPrepLanesPerRow),
+         kPrepThreads, 0, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  err = launch_main();
+  if (err != cudaSuccess) return err;
+
+  attention_backward_postprocess_kernel<Element>
+      <<<grid_stride_blocks(heads * p.seqlen_q * (p.head_dim / 8), kPostThreads), kPostThreads, 0,
+         stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace backward
+}  // namespace flashattn

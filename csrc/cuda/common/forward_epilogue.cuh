@@ -1,0 +1,46 @@
+// The forward epilogue of both kernel families: a warp's rows of O and lse from the
+// accumulators to global memory.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/common/mma_primitives.cuh"
+
+namespace flashattn {
+
+// Epilogue: O / l and lse = (m + log2 l) * ln 2 for a warp's rows; a row that
+// saw no key gets O = 0 and lse = +inf, which makes the backward's P exactly 0 for it.
+template <typename Element, int kMTiles, int kDTiles>
+__device__ __forceinline__ void store_forward_rows(const float (&acc_o)[kMTiles][kDTiles][4],
+                                                   const float (&row_max)[kMTiles][2],
+                                                   const float (&row_sum)[kMTiles][2], Element* out_ptr,
+                                                   int64_t out_row_stride, float* lse_ptr, int warp_row,
+                                                   int valid_q_rows, int head_dim, int lane) {
+  using Mma = MmaElement<Element>;
+  const int quad_row = lane / 4, quad_col = (lane % 4) * 2;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = quad_sum(row_sum[mt][h]);
+      const bool has_keys = sum > 0.f;
+      const float inv_sum = has_keys ? 1.f / sum : 0.f;
+      const int row = warp_row + mt * 16 + quad_row + h * 8;
+      if (row < valid_q_rows) {
+        Element* out_row = out_ptr + int64_t(row) * out_row_stride;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int col = dt * 8 + quad_col;
+          if (col < head_dim) {
+            const uint32_t packed = Mma::pack(acc_o[mt][dt][2 * h] * inv_sum, acc_o[mt][dt][2 * h + 1] * inv_sum);
+            *reinterpret_cast<uint32_t*>(out_row + col) = packed;
+          }
+        }
+        if (lane % 4 == 0)
+          lse_ptr[row] = has_keys ? (row_max[mt][h] + log2f(sum)) * float(M_LN2) : INFINITY;
+      }
+    }
+}
+
+}  // namespace flashattn

@@ -1,0 +1,112 @@
+// Which tile a thread block works on (a static grid, flattened into blockIdx.x so that
+// batch x heads past 65535 fits), for the kernels of both families: the forward's query
+// blocks and the backward's key blocks, with the key / query ranges the mask leaves them.
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_mask.h"
+#include "common/attention_params.h"
+#include "common/sequence_info.h"
+
+namespace flashattn {
+
+// What one thread block of the forward owns: a block of kBlockM query rows of
+// one (batch, head), and the key blocks [n_block_first, n_block_last] the mask
+// lets those rows see (none when last < first). The grid is sized by the longest
+// sequence; a block past its own sequence's end owns nothing (`empty`).
+struct ForwardBlock {
+  int m_begin, head, batch, kv_head;
+  int n_block_first, n_block_last;
+  int valid_q_rows;
+  bool empty;
+  SequenceInfo seq;
+  MaskGeometry mask;
+
+  // The grid that the constructor decodes: query blocks x heads x batch.
+  static int64_t grid_blocks(const AttentionFwdParams& params, int kBlockM) {
+    return int64_t((params.seqlen_q + kBlockM - 1) / kBlockM) * params.batch * params.nheads_q;
+  }
+
+  __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN,
+                                          bool dense = false)
+      : seq(params, decode_batch(params, kBlockM), dense),
+        mask{seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right} {
+    // Flattened grid (one dimension never overflows for batch * heads > 65535):
+    // query blocks vary fastest, heaviest (last) blocks first for causal balance.
+    const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+    const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
+    head = bh % params.nheads_q;
+    batch = bh / params.nheads_q;
+    kv_head = head / (params.nheads_q / params.nheads_kv);
+    // Within a shorter sequence the heaviest block is its own last one, so the
+    // order counts down from there and the blocks past its end come last.
+    const int seq_m_blocks = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+    const int m_block = seq_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
+    empty = m_block < 0;
+    m_begin = m_block * kBlockM;
+    valid_q_rows = seq.seqlen_q - m_begin;
+    n_block_first = mask.key_begin(m_begin) / kBlockN;
+    n_block_last = (mask.key_end(min(m_begin + kBlockM, seq.seqlen_q)) + kBlockN - 1) / kBlockN - 1;
+  }
+  __device__ __forceinline__ static int decode_batch(const AttentionFwdParams& params, int kBlockM) {
+    const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+    return static_cast<int>(blockIdx.x / num_m_blocks) / params.nheads_q;
+  }
+  template <typename Element>
+  __device__ __forceinline__ Element* out_rows(const AttentionFwdParams& params) const {
+    return seq.q_row(static_cast<Element*>(params.out), params.out_strides, batch, head, m_begin);
+  }
+  __device__ __forceinline__ float* lse_rows(const AttentionFwdParams& params) const {
+    return seq.lse_row(params, batch, head, m_begin);
+  }
+};
+
+// What one thread block of the backward main kernels owns: the kBlockN keys from n0 of KV
+// head h_kv of batch b (flattened into blockIdx.x, key blocks fastest), and, for each of the
+// `group` query heads sharing that KV head, the num_m query blocks from m_first that see one
+// of those keys: num_iters = group * num_m (query head, query block) pairs.
+struct BackwardBlock {
+  int n0, h_kv, b, group;
+  int m_first, num_m, num_iters;
+  bool empty;  // the block starts past its sequence's last key (the grid fits the longest)
+  SequenceInfo seq;
+  MaskGeometry mask;
+
+  // The grid that the constructor decodes: key blocks x KV heads x batch.
+  static int64_t grid_blocks(const AttentionBwdParams& p, int kBlockN) {
+    return int64_t((p.seqlen_k + kBlockN - 1) / kBlockN) * p.batch * p.nheads_kv;
+  }
+
+  __device__ __forceinline__ BackwardBlock(const AttentionBwdParams& p, int kBlockM, int kBlockN)
+      : seq(p, static_cast<int>(blockIdx.x / ((p.seqlen_k + kBlockN - 1) / kBlockN)) / p.nheads_kv),
+        mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right} {
+    const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    const int bh_kv = static_cast<int>(blockIdx.x / num_n_blocks);
+    n0 = static_cast<int>(blockIdx.x % num_n_blocks) * kBlockN;
+    h_kv = bh_kv % p.nheads_kv;
+    b = bh_kv / p.nheads_kv;
+    group = p.nheads_q / p.nheads_kv;
+    empty = n0 >= seq.seqlen_k;
+    const int query_begin = mask.query_begin(n0);
+    const int query_end = mask.query_end(min(n0 + kBlockN, seq.seqlen_k));
+    m_first = query_begin / kBlockM;
+    num_m = query_end > query_begin ? (query_end + kBlockM - 1) / kBlockM - m_first : 0;
+    num_iters = group * num_m;
+  }
+};
+
+// The queries [begin, end) that see each of a lane's two key rows, key and key + 8 (rows g and
+// g + 8 of a warp's 16 in the m16n8 accumulator layout): the element mask of a straddling tile
+// is then two compares per score. A key past seqlen_k gets an empty range.
+__device__ __forceinline__ void lane_visible_queries(const MaskGeometry& mask, int key, int (&begin)[2],
+                                                     int (&end)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int k = key + 8 * half;
+    begin[half] = mask.query_begin(k);
+    end[half] = k < mask.seqlen_k ? mask.query_end(k + 1) : 0;
+  }
+}
+
+}  // namespace flashattn
