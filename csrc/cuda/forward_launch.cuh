@@ -1,67 +1,16 @@
-// Launch layer of the forward kernel: the tile plan, the shared-memory opt-in,
-// the grid. Included only by the instantiation files (instantiations/fwd_*.cu).
+// The forward launch for one head-dim tile width: the Hopper kernel where it runs,
+// else the mma.sync kernel. Included only by the instantiation files.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include "cuda/common/kernel_launch.cuh"
+#include <type_traits>
+
 #include "cuda/forward_launch.h"
-#include "cuda/sm80/forward_kernel.cuh"
+#include "cuda/sm80/forward_launch.cuh"
 #include "cuda/sm90/forward_launch.cuh"
 
 namespace flashattn {
-
-// The tile plan: block shape per head-dim tile width W, the one place these are chosen.
-// What bounds them:
-//  - registers: each thread holds its rows' O accumulator (rows_per_warp * W / 32
-//    floats) and S block (rows_per_warp * kBlockN / 32 floats) within 255, without
-//    spills (checked with -Xptxas -v for every shape below);
-//  - shared-memory bandwidth: a warp reads all of K and V per block, so a warp
-//    owning 32 rows (two m16 tiles) halves those reads per FLOP against 16 rows;
-//    that is kept wherever the registers allow (W = 64, 128: 32 rows per warp ran
-//    1.2-1.5x faster than 16 on the H200, benchmarks/RESULTS.md);
-//  - shared memory: Q (kBlockM x W) + 2 stages x (K + V) (kBlockN x W each), padded
-//    rows, must fit the device's opt-in limit: 227 KB on sm_90, 163 KB on sm_80,
-//    99 KB on sm_86/89, where the large widths fall back to a smaller tile.
-template <int W>
-struct ForwardTilePlan;
-template <>
-struct ForwardTilePlan<32> {
-  using Primary = ForwardTileShape<32, 128, 128, 8>;
-  using Fallback = Primary;
-};
-template <>
-struct ForwardTilePlan<64> {
-  using Primary = ForwardTileShape<64, 128, 64, 4>;
-  using Fallback = Primary;
-};
-template <>
-struct ForwardTilePlan<96> {
-  using Primary = ForwardTileShape<96, 128, 64, 8>;
-  using Fallback = Primary;
-};
-template <>
-struct ForwardTilePlan<128> {
-  using Primary = ForwardTileShape<128, 128, 64, 4>;
-  using Fallback = Primary;
-};
-template <>
-struct ForwardTilePlan<192> {
-  using Primary = ForwardTileShape<192, 128, 32, 8>;
-  using Fallback = ForwardTileShape<192, 64, 32, 4>;
-};
-template <>
-struct ForwardTilePlan<256> {
-  using Primary = ForwardTileShape<256, 128, 64, 8>;
-  using Fallback = ForwardTileShape<256, 64, 32, 4>;
-};
-
-template <typename Element, typename Shape>
-cudaError_t launch_forward_with_shape(const AttentionFwdParams& params, cudaStream_t stream) {
-  return launch_on_flat_grid(attention_forward_kernel<Element, Shape>,
-                             ForwardBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads,
-                             Shape::kSmemBytes, stream, params);
-}
 
 template <typename Element, int W>
 cudaError_t launch_attention_forward(const AttentionFwdParams& params, const DeviceLimits& limits,
