@@ -8,6 +8,11 @@
 namespace flashattn {
 namespace {
 
+// Shapes and strides are read as SymInts, so that these checks also run in the Meta
+// kernels (csrc/meta/) on the symbolic shapes of torch.compile; there each comparison
+// becomes a guard, as a Python `if` on a SymInt would.
+bool holds(const c10::SymBool& condition) { return condition.guard_bool(__FILE__, __LINE__); }
+
 // Layouts named in every shape message, so the user sees which axis is which.
 constexpr const char* kDenseLayout = "(batch, seqlen, nheads, head_dim)";
 constexpr const char* kVarlenLayout = "(total, nheads, head_dim)";
@@ -18,14 +23,14 @@ void check_rank(const at::Tensor& t, const char* name, bool varlen) {
   TORCH_CHECK(t.dim() == rank, "flashattn_ext: ", name, " must have ", rank, " dimensions ",
               varlen ? kVarlenLayout : kDenseLayout,
               varlen ? " (cu_seqlens given)" : " (no cu_seqlens given)", ", got ", t.dim(),
-              " dimensions with shape ", t.sizes());
+              " dimensions with shape ", t.sym_sizes());
 }
 
 void check_size(const at::Tensor& t, const char* name, int64_t dim, const char* dim_name,
-                int64_t expected, const char* expected_from) {
+                const c10::SymInt& expected, const char* expected_from) {
   const int64_t d = dim < 0 ? dim + t.dim() : dim;
-  TORCH_CHECK(t.size(d) == expected, "flashattn_ext: ", name, " ", dim_name, " (dim ", d,
-              ") must match ", expected_from, ": got ", t.size(d), ", expected ", expected);
+  TORCH_CHECK(holds(t.sym_size(d) == expected), "flashattn_ext: ", name, " ", dim_name, " (dim ", d,
+              ") must match ", expected_from, ": got ", t.sym_size(d), ", expected ", expected);
 }
 
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
@@ -42,44 +47,44 @@ void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& q
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   // An empty tensor has no element to address, whatever its strides (autograd
   // hands the backward an expanded, stride-0 gradient of an empty output).
-  TORCH_CHECK(t.numel() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, "flashattn_ext: ", name,
-              " must be contiguous in its last dimension (head_dim): got stride ", t.stride(-1),
-              ", expected 1");
+  TORCH_CHECK(holds(t.sym_numel() == 0) || holds(t.sym_size(-1) <= 1) || holds(t.sym_stride(-1) == 1),
+              "flashattn_ext: ", name, " must be contiguous in its last dimension (head_dim): got stride ",
+              t.sym_stride(-1), ", expected 1");
 }
 
 // cu_seqlens (batch + 1) or seqused (batch): int32, 1-d, contiguous, on q's device.
-void check_sequence_tensor(const std::optional<at::Tensor>& t, const char* name, int64_t expected_len,
-                           const char* expected_from, const at::Tensor& q) {
+void check_sequence_tensor(const std::optional<at::Tensor>& t, const char* name,
+                           const c10::SymInt& expected_len, const char* expected_from, const at::Tensor& q) {
   if (!t.has_value()) return;
   check_same_device(*t, name, q);
   TORCH_CHECK(t->scalar_type() == at::kInt, "flashattn_ext: ", name, " must be int32, got ",
               t->scalar_type());
   TORCH_CHECK(t->dim() == 1, "flashattn_ext: ", name, " must have 1 dimension, got shape ",
-              t->sizes());
-  TORCH_CHECK(t->size(0) == expected_len, "flashattn_ext: ", name, " must have ", expected_from,
-              " = ", expected_len, " elements, got ", t->size(0));
-  TORCH_CHECK(t->size(0) <= 1 || t->stride(0) == 1, "flashattn_ext: ", name,
-              " must be contiguous: got stride ", t->stride(0), ", expected 1");
+              t->sym_sizes());
+  TORCH_CHECK(holds(t->sym_size(0) == expected_len), "flashattn_ext: ", name, " must have ", expected_from,
+              " = ", expected_len, " elements, got ", t->sym_size(0));
+  TORCH_CHECK(holds(t->sym_size(0) <= 1) || holds(t->sym_stride(0) == 1), "flashattn_ext: ", name,
+              " must be contiguous: got stride ", t->sym_stride(0), ", expected 1");
 }
 
-int64_t batch_of(const at::Tensor& t, const std::optional<at::Tensor>& cu_seqlens) {
-  return cu_seqlens.has_value() ? cu_seqlens->size(0) - 1 : t.size(0);
+c10::SymInt batch_of(const at::Tensor& t, const std::optional<at::Tensor>& cu_seqlens) {
+  return cu_seqlens.has_value() ? cu_seqlens->sym_size(0) - 1 : t.sym_size(0);
 }
 
 void check_sequence_layout(const at::Tensor& q, const at::Tensor& k, const SequenceLayout& layout) {
   for (const auto& [cu, name] : {std::pair{&layout.cu_seqlens_q, "cu_seqlens_q"},
                                  std::pair{&layout.cu_seqlens_k, "cu_seqlens_k"}})
     if (cu->has_value())
-      TORCH_CHECK((*cu)->dim() == 1 && (*cu)->size(0) >= 1, "flashattn_ext: ", name,
-                  " must be 1-d with batch + 1 >= 1 elements, got shape ", (*cu)->sizes());
-  const int64_t batch = batch_of(q, layout.cu_seqlens_q);
+      TORCH_CHECK((*cu)->dim() == 1 && holds((*cu)->sym_size(0) >= 1), "flashattn_ext: ", name,
+                  " must be 1-d with batch + 1 >= 1 elements, got shape ", (*cu)->sym_sizes());
+  const c10::SymInt batch = batch_of(q, layout.cu_seqlens_q);
   if (layout.varlen_q()) {
     check_sequence_tensor(layout.cu_seqlens_q, "cu_seqlens_q", batch + 1, "batch + 1", q);
     TORCH_CHECK(layout.max_seqlen_q >= 0, "flashattn_ext: max_seqlen_q must be given (>= 0) "
                 "with cu_seqlens_q, got ", layout.max_seqlen_q);
   } else {
-    TORCH_CHECK(layout.max_seqlen_q == -1 || layout.max_seqlen_q == q.size(1), "flashattn_ext: "
-                "max_seqlen_q without cu_seqlens_q must be -1 or q's seqlen (dim 1) = ", q.size(1),
+    TORCH_CHECK(layout.max_seqlen_q == -1 || holds(q.sym_size(1) == layout.max_seqlen_q), "flashattn_ext: "
+                "max_seqlen_q without cu_seqlens_q must be -1 or q's seqlen (dim 1) = ", q.sym_size(1),
                 ", got ", layout.max_seqlen_q);
   }
   if (layout.varlen_k()) {
@@ -88,11 +93,11 @@ void check_sequence_layout(const at::Tensor& q, const at::Tensor& k, const Seque
     TORCH_CHECK(layout.max_seqlen_k >= 0, "flashattn_ext: max_seqlen_k must be given (>= 0) "
                 "with cu_seqlens_k, got ", layout.max_seqlen_k);
   } else {
-    TORCH_CHECK(k.size(0) == batch, "flashattn_ext: k batch size (dim 0) must match ",
-                layout.varlen_q() ? "cu_seqlens_q's length - 1" : "q", ": got ", k.size(0),
+    TORCH_CHECK(holds(k.sym_size(0) == batch), "flashattn_ext: k batch size (dim 0) must match ",
+                layout.varlen_q() ? "cu_seqlens_q's length - 1" : "q", ": got ", k.sym_size(0),
                 ", expected ", batch);
-    TORCH_CHECK(layout.max_seqlen_k == -1 || layout.max_seqlen_k == k.size(1), "flashattn_ext: "
-                "max_seqlen_k without cu_seqlens_k must be -1 or k's seqlen (dim 1) = ", k.size(1),
+    TORCH_CHECK(layout.max_seqlen_k == -1 || holds(k.sym_size(1) == layout.max_seqlen_k), "flashattn_ext: "
+                "max_seqlen_k without cu_seqlens_k must be -1 or k's seqlen (dim 1) = ", k.sym_size(1),
                 ", got ", layout.max_seqlen_k);
   }
   check_sequence_tensor(layout.seqused_q, "seqused_q", batch, "batch", q);
@@ -120,28 +125,35 @@ void check_options(const AttentionOptions& opts, const at::Tensor& q, const at::
     check_same_device(s, "alibi_slopes", q);
     TORCH_CHECK(s.scalar_type() == at::kFloat, "flashattn_ext: alibi_slopes must be float32, got ",
                 s.scalar_type());
-    const int64_t b = batch_of(q, opts.layout.cu_seqlens_q), h = q.size(-2);
-    const bool per_head = s.dim() == 1 && s.size(0) == h;
-    const bool per_batch_head = s.dim() == 2 && s.size(0) == b && s.size(1) == h;
+    const c10::SymInt b = batch_of(q, opts.layout.cu_seqlens_q), h = q.sym_size(-2);
+    const bool per_head = s.dim() == 1 && holds(s.sym_size(0) == h);
+    const bool per_batch_head = s.dim() == 2 && holds(s.sym_size(0) == b) && holds(s.sym_size(1) == h);
     TORCH_CHECK(per_head || per_batch_head, "flashattn_ext: alibi_slopes must have shape (nheads,) = (",
-                h, ",) or (batch, nheads) = (", b, ", ", h, "), got ", s.sizes());
-    TORCH_CHECK(s.stride(-1) == 1, "flashattn_ext: alibi_slopes must be contiguous in its last "
-                "dimension: got stride ", s.stride(-1), ", expected 1");
+                h, ",) or (batch, nheads) = (", b, ", ", h, "), got ", s.sym_sizes());
+    TORCH_CHECK(holds(s.sym_stride(-1) == 1), "flashattn_ext: alibi_slopes must be contiguous in its last "
+                "dimension: got stride ", s.sym_stride(-1), ", expected 1");
   }
   if (opts.dropout_p > 0.0) {
     TORCH_CHECK(opts.rng_state.has_value(), "flashattn_ext: rng_state (int64 [seed, offset]) is "
                 "required when dropout_p > 0");
     const at::Tensor& r = *opts.rng_state;
-    TORCH_CHECK(r.scalar_type() == at::kLong && r.numel() == 2,
+    TORCH_CHECK(r.scalar_type() == at::kLong && holds(r.sym_numel() == 2),
                 "flashattn_ext: rng_state must be an int64 tensor of 2 elements [seed, offset], got ",
-                r.scalar_type(), " of shape ", r.sizes());
+                r.scalar_type(), " of shape ", r.sym_sizes());
   }
   (void)k;
 }
 
-std::vector<int64_t> lse_shape_of(const at::Tensor& q, const SequenceLayout& layout) {
-  if (layout.varlen_q()) return {q.size(1), q.size(0)};
-  return {q.size(0), q.size(2), q.size(1)};
+std::vector<c10::SymInt> lse_shape_of(const at::Tensor& q, const SequenceLayout& layout) {
+  if (layout.varlen_q()) return {q.sym_size(1), q.sym_size(0)};
+  return {q.sym_size(0), q.sym_size(2), q.sym_size(1)};
+}
+
+bool same_shape(const at::Tensor& t, c10::SymIntArrayRef shape) {
+  if (t.dim() != static_cast<int64_t>(shape.size())) return false;
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (!holds(t.sym_size(d) == shape[d])) return false;
+  return true;
 }
 
 }  // namespace
@@ -159,20 +171,20 @@ void check_forward_inputs(const at::Tensor& q, const at::Tensor& k, const at::Te
   TORCH_CHECK(backend.dtype_supported(q.scalar_type()), "flashattn_ext: dtype ", q.scalar_type(),
               " is not supported on ", backend.name, " (q, k and v must share a supported dtype)");
 
-  const int64_t head_dim = q.size(-1);
-  if (!layout.varlen_k()) check_size(v, "v", 0, "batch size", k.size(0), "k");
-  check_size(v, "v", -3, layout.varlen_k() ? "total rows" : "seqlen", k.size(-3), "k");
-  check_size(v, "v", -2, "nheads", k.size(-2), "k");
+  const c10::SymInt head_dim = q.sym_size(-1);
+  if (!layout.varlen_k()) check_size(v, "v", 0, "batch size", k.sym_size(0), "k");
+  check_size(v, "v", -3, layout.varlen_k() ? "total rows" : "seqlen", k.sym_size(-3), "k");
+  check_size(v, "v", -2, "nheads", k.sym_size(-2), "k");
   check_size(k, "k", -1, "head_dim", head_dim, "q");
   check_size(v, "v", -1, "head_dim", head_dim, "q");
-  TORCH_CHECK(head_dim <= kMaxHeadDim, "flashattn_ext: head_dim (q's last dim) must be at most ",
+  TORCH_CHECK(holds(head_dim <= kMaxHeadDim), "flashattn_ext: head_dim (q's last dim) must be at most ",
               kMaxHeadDim, ", got ", head_dim);
-  TORCH_CHECK(head_dim % kHeadDimAlignment == 0, "flashattn_ext: head_dim (q's last dim) must be a "
+  TORCH_CHECK(holds(head_dim % kHeadDimAlignment == 0), "flashattn_ext: head_dim (q's last dim) must be a "
               "multiple of ", kHeadDimAlignment, " (flash_attn_func pads it), got ", head_dim);
-  const int64_t nheads_q = q.size(-2), nheads_kv = k.size(-2);
-  TORCH_CHECK(nheads_kv > 0 || nheads_q == 0, "flashattn_ext: k nheads (dim ", k.dim() - 2,
+  const c10::SymInt nheads_q = q.sym_size(-2), nheads_kv = k.sym_size(-2);
+  TORCH_CHECK(holds(nheads_kv > 0) || holds(nheads_q == 0), "flashattn_ext: k nheads (dim ", k.dim() - 2,
               ") must be positive when q has heads, got 0");
-  TORCH_CHECK(nheads_kv == 0 || nheads_q % nheads_kv == 0, "flashattn_ext: q nheads (dim ",
+  TORCH_CHECK(holds(nheads_kv == 0) || holds(nheads_q % nheads_kv == 0), "flashattn_ext: q nheads (dim ",
               q.dim() - 2, ") must be a multiple of k nheads (dim ", k.dim() - 2, "): got ",
               nheads_q, " and ", nheads_kv);
   check_last_dim_contiguous(q, "q");
@@ -191,18 +203,18 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
     check_rank(t, name, opts.layout.varlen_q());
     check_same_device(t, name, q);
     check_same_dtype(t, name, q);
-    TORCH_CHECK(t.sizes() == q.sizes(), "flashattn_ext: ", name, " must have the shape of q: got ",
-                t.sizes(), ", expected ", q.sizes());
+    TORCH_CHECK(same_shape(t, q.sym_sizes()), "flashattn_ext: ", name, " must have the shape of q: got ",
+                t.sym_sizes(), ", expected ", q.sym_sizes());
     check_last_dim_contiguous(t, name);
   }
   check_same_device(lse, "lse", q);
   TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse must be ",
               q.scalar_type() == at::kDouble ? "float64" : "float32",
               " (float64 for float64 inputs, else float32), got ", lse.scalar_type());
-  const std::vector<int64_t> lse_shape = lse_shape_of(q, opts.layout);
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape), "flashattn_ext: lse must have shape ",
+  const std::vector<c10::SymInt> lse_shape = lse_shape_of(q, opts.layout);
+  TORCH_CHECK(same_shape(lse, lse_shape), "flashattn_ext: lse must have shape ",
               opts.layout.varlen_q() ? "(nheads, total_q) = " : "(batch, nheads, seqlen_q) = ",
-              at::IntArrayRef(lse_shape), ", got ", lse.sizes());
+              c10::SymIntArrayRef(lse_shape), ", got ", lse.sym_sizes());
 }
 
 std::pair<int, int> effective_window(const AttentionOptions& opts, int64_t seqlen_q,
@@ -220,15 +232,15 @@ std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(const at::Tensor& q,
                                                             const AttentionOptions& opts) {
   const at::TensorOptions lse_options = q.options().dtype(lse_dtype(q.scalar_type()));
   if (opts.layout.seqused_q.has_value())
-    return {at::zeros(q.sizes(), q.options()),
-            at::full(lse_shape_of(q, opts.layout), std::numeric_limits<double>::infinity(), lse_options)};
-  return {at::empty(q.sizes(), q.options()), at::empty(lse_shape_of(q, opts.layout), lse_options)};
+    return {at::zeros_symint(q.sym_sizes(), q.options()),
+            at::full_symint(lse_shape_of(q, opts.layout), std::numeric_limits<double>::infinity(), lse_options)};
+  return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(lse_shape_of(q, opts.layout), lse_options)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_backward_outputs(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& opts) {
   const auto make = [](const at::Tensor& t, bool zeroed) {
-    return zeroed ? at::zeros(t.sizes(), t.options()) : at::empty(t.sizes(), t.options());
+    return zeroed ? at::zeros_symint(t.sym_sizes(), t.options()) : at::empty_symint(t.sym_sizes(), t.options());
   };
   const bool keys_unused = opts.layout.seqused_k.has_value();
   return {make(q, opts.layout.seqused_q.has_value()), make(k, keys_unused), make(v, keys_unused)};
@@ -237,7 +249,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_backward_outputs(
 ProblemSizes problem_sizes(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts) {
   const SequenceLayout& layout = opts.layout;
   ProblemSizes s{};
-  s.batch = batch_of(q, layout.cu_seqlens_q);
+  s.batch = batch_of(q, layout.cu_seqlens_q).expect_int();
   s.nheads_q = q.size(-2);
   s.nheads_kv = k.size(-2);
   s.head_dim = q.size(-1);

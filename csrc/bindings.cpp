@@ -4,6 +4,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
+#include "attention_api.h"
 #include "attention_ops.h"
 #include "build_info.h"
 
@@ -31,6 +32,9 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "flashattn_ext: IO-aware exact attention (FlashAttention) kernels";
   m.def("attention_forward", &attention_forward, "Forward: returns (out, lse)");
   m.def("attention_backward", &attention_backward, "Backward: returns (dq, dk, dv)");
+  // The op's head-dim limits, for the Python API's padding (flashattn_ext/checks.py).
+  m.attr("MAX_HEAD_DIM") = flashattn::kMaxHeadDim;
+  m.attr("HEAD_DIM_ALIGNMENT") = flashattn::kHeadDimAlignment;
   m.def("build_info", []() {
     pybind11::dict info;
     for (const auto& [key, value] : flashattn::build_info()) info[key.c_str()] = value;

@@ -298,13 +298,26 @@ def _check_shard_lengths(q, k, layout: str, world_size: int) -> None:
             f"{2 * world_size}): got {q.size(1)}")
 
 
+def _check_local_shard(q, k, v, softmax_scale, dropout_p) -> None:
+    """The op's own checks (its Meta kernel: shapes, dtypes, strides, the scalars) on this
+    rank's shards, before any rank sends: every rank fails alike, none waits on a peer."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        checks.check_is_tensor(t, name)
+    shards = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, k, v)]
+    head_dim = q.size(-1) if q.dim() > 0 else 0
+    # A valid dropout_p > 0 is refused by ring attention itself (after this); an invalid
+    # one (negative, NaN, >= 1) goes to the op's check.
+    checked_dropout_p = 0.0 if 0.0 < dropout_p < 1.0 else dropout_p
+    ops.attention_forward(*_kernel_operands(*shards), _softmax_scale(softmax_scale, head_dim), False, -1,
+                          -1, 0.0, None, checked_dropout_p, None)
+
+
 def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                     deterministic, return_attn_probs, group, layout):
     ring = _Ring(_process_group(group))
-    checks.check_qkv(q, k, v, kernel_layout=False)
-    _check_shard_lengths(q, k, layout, ring.size)
     dropout_p = float(dropout_p)
-    checks.check_dropout_p(dropout_p)
+    _check_local_shard(q, k, v, softmax_scale, dropout_p)
+    _check_shard_lengths(q, k, layout, ring.size)
     if dropout_p > 0.0:
         raise NotImplementedError(
             f"flashattn_ext: dropout_p > 0 is not implemented by any backend yet, got {dropout_p}")

@@ -1,12 +1,11 @@
-"""Fake (meta) kernels and autograd of the ops defined in csrc/ops_schema.cpp.
+"""Autograd and vmap of the ops defined in csrc/ops_schema.cpp.
 
-The ops themselves (schemas and the CPU/CUDA kernels) come from the C++
-library, loaded by ``import flashattn_ext._C``. This module adds what the C++
-side leaves to Python:
+The ops themselves (schemas, the CPU/CUDA kernels, and the Meta kernels that
+torch.compile / torch.export / FakeTensor run: the C++ checks of
+csrc/attention_api.cpp on symbolic shapes, then the outputs' metadata) come from
+the C++ library, loaded by ``import flashattn_ext._C``. This module adds what the
+C++ side leaves to Python:
 
-* ``register_fake``: the output metadata of each op, exactly as the kernels
-  produce it, so torch.compile / torch.export / FakeTensor tracing treat each
-  op as one opaque node (no graph break, no data access).
 * ``register_autograd`` for ``attention_forward``: its backward is the
   ``attention_backward`` op, which recomputes the attention blocks from q, k
   and the saved log-sum-exp. This is the one autograd path: flash_attn_func
@@ -36,7 +35,6 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loads the library: defines the ops and their C++ kernels)
-from . import checks
 
 attention_forward = torch.ops.flashattn_ext.attention_forward.default
 attention_backward = torch.ops.flashattn_ext.attention_backward.default
@@ -50,41 +48,6 @@ def has_kernel(op_name: str, dispatch_key: str) -> bool:
 # Read once at import: the set of kernels is fixed when the library loads, and a
 # module constant is something torch.compile can read without a graph break.
 HAS_CUDA_KERNELS = has_kernel("attention_forward", "CUDA") and has_kernel("attention_backward", "CUDA")
-
-
-@torch.library.register_fake("flashattn_ext::attention_forward")
-def _attention_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                            alibi_slopes, dropout_p, rng_state, deterministic=False,
-                            cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-                            max_seqlen_q=-1, max_seqlen_k=-1):
-    layout = checks.SequenceLayout(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                   max_seqlen_k)
-    checks.check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
-                              kernel_layout=True, layout=layout)
-    # As allocate_forward_outputs() in csrc/attention_api.cpp: out has q's shape
-    # but is always contiguous, whatever q's strides; lse is (b, h, sq), or (h, total_q)
-    # for a variable-length q, fp32 (fp64 for fp64 q).
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(checks.lse_shape(q, layout), dtype=checks.lse_dtype(q.dtype))
-    return out, lse
-
-
-@torch.library.register_fake("flashattn_ext::attention_backward")
-def _attention_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
-                             window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                             deterministic, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                             seqused_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
-    layout = checks.SequenceLayout(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                   max_seqlen_k)
-    checks.check_backward_args(dout, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes,
-                               dropout_p, rng_state, layout)
-    # The kernels allocate the gradients contiguous, with the shapes of q, k, v
-    # (new_empty is always contiguous, whatever the strides of its source).
-    return (
-        q.new_empty(q.shape),
-        k.new_empty(k.shape),
-        v.new_empty(v.shape),
-    )
 
 
 def _setup_context(ctx, inputs, output):

@@ -11,7 +11,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from flashattn_ext import flash_attn_func, flash_attn_varlen_func
 
-from sample_inputs import CASES_BY_NAME, VARLEN_CASES, cases_tagged
+from sample_inputs import CASES_BY_NAME, VARLEN_CASES, VARLEN_CASES_BY_NAME, cases_tagged
 
 FORWARD_OP = torch.ops.flashattn_ext.attention_forward.default
 BACKWARD_OP = torch.ops.flashattn_ext.attention_backward.default
@@ -111,6 +111,32 @@ def test_compile_varlen_fullgraph_without_recompiles(case):
     (backward_graph,) = recorder.backward_graphs
     assert count_calls(forward_graph, FORWARD_OP) == 1
     assert count_calls(backward_graph, BACKWARD_OP) == 1
+
+
+def test_compile_dynamic_varlen_totals_compile_once():
+    """dynamic=True with packed batches whose total rows change every step (padding-free
+    training): the Meta kernels' checks run on the symbolic totals, one graph serves all."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    base = VARLEN_CASES_BY_NAME["mixed_lengths"]
+
+    def step(q, k, v, cu_seqlens):
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 130, 130, causal=True)
+
+    def run(function, inputs):
+        out = function(inputs.q, inputs.k, inputs.v, inputs.sequence_args[0])
+        return (out, *torch.autograd.grad(out, (inputs.q, inputs.k, inputs.v), inputs.dout))
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    frames_after_first_call = None
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for lengths in ((5, 0, 1, 130, 17), (9, 64, 3), (130, 2, 2, 2, 2, 40)):
+            inputs = dataclasses.replace(base, seqlens_q=lengths, seqlens_k=lengths).make(
+                torch.float32, requires_grad=True)
+            for a, e in zip(run(compiled, inputs), run(step, inputs)):
+                torch.testing.assert_close(a, e, rtol=0, atol=0)
+            frames_after_first_call = frames_after_first_call or counter.frame_count
+    assert counter.frame_count == frames_after_first_call
 
 
 def test_compile_dynamic_seqlen_compiles_once():
