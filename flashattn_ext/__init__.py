@@ -51,7 +51,7 @@ try:
     from . import _C  # noqa: F401  (loads the C++ library: registers the ops and their kernels)
 except ImportError as e:
     raise ImportError(_extension_import_error(e, os.path.dirname(os.path.abspath(__file__)))) from e
-from . import ops  # noqa: F401  (fake kernels and autograd of the ops)
+from . import ops  # noqa: F401  (autograd and vmap of the ops)
 from .interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
