@@ -14,15 +14,16 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(FLASHATTN_FORWARD_ARGS) {
                        .findSchemaOrThrow("flashattn_ext::attention_forward", "")
                        .typed<decltype(flashattn::attention_forward_cpu)>();
   return op.call(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                 dropout_p, rng_state, deterministic, FLASHATTN_SEQUENCE_ARG_NAMES);
+                 dropout_p, rng_state, deterministic, FLASHATTN_SEQUENCE_ARG_NAMES, learnable_sink);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(FLASHATTN_BACKWARD_ARGS) {
+flashattn::BackwardGradients attention_backward(FLASHATTN_BACKWARD_ARGS) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("flashattn_ext::attention_backward", "")
                        .typed<decltype(flashattn::attention_backward_cpu)>();
   return op.call(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                 softcap, alibi_slopes, dropout_p, rng_state, deterministic, FLASHATTN_SEQUENCE_ARG_NAMES);
+                 softcap, alibi_slopes, dropout_p, rng_state, deterministic, FLASHATTN_SEQUENCE_ARG_NAMES,
+                 learnable_sink);
 }
 
 }  // namespace
@@ -30,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(FLASHATTN_BACK
 PYBIND11_MODULE(_C, m) {
   m.doc() = "flashattn_ext: IO-aware exact attention (FlashAttention) kernels";
   m.def("attention_forward", &attention_forward, "Forward: returns (out, lse)");
-  m.def("attention_backward", &attention_backward, "Backward: returns (dq, dk, dv)");
+  m.def("attention_backward", &attention_backward, "Backward: returns (dq, dk, dv, dsink)");
   m.def("build_info", []() {
     pybind11::dict info;
     for (const auto& [key, value] : flashattn::build_info()) info[key.c_str()] = value;

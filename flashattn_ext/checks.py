@@ -349,6 +349,23 @@ def check_alibi_slopes(alibi_slopes: Optional[torch.Tensor], q: torch.Tensor,
         )
 
 
+def check_learnable_sink(learnable_sink: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    """fp32 (nheads,), contiguous, on q's device (check_options in csrc/attention_api.cpp)."""
+    if learnable_sink is None:
+        return
+    check_is_tensor(learnable_sink, "learnable_sink")
+    check_same_device(learnable_sink, "learnable_sink", q)
+    if learnable_sink.dtype != torch.float32:
+        raise RuntimeError(f"flashattn_ext: learnable_sink must be float32, got {learnable_sink.dtype}")
+    nheads = q.size(-2)
+    if tuple(learnable_sink.shape) != (nheads,):
+        raise RuntimeError(f"flashattn_ext: learnable_sink must have shape (nheads,) = ({nheads},), "
+                           f"got {_shape(learnable_sink)}")
+    if learnable_sink.dim() == 1 and learnable_sink.size(0) > 1 and learnable_sink.stride(0) != 1:
+        raise RuntimeError("flashattn_ext: learnable_sink must be contiguous: "
+                           f"got stride {learnable_sink.stride(0)}, expected 1")
+
+
 def check_rng_state(rng_state: Optional[torch.Tensor], dropout_p) -> None:
     if dropout_p > 0.0:
         if rng_state is None:
@@ -363,22 +380,25 @@ def check_rng_state(rng_state: Optional[torch.Tensor], dropout_p) -> None:
 
 
 def check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
-                       *, kernel_layout: bool, layout: SequenceLayout = DENSE) -> None:
+                       *, kernel_layout: bool, layout: SequenceLayout = DENSE,
+                       learnable_sink: Optional[torch.Tensor] = None) -> None:
     """Every check of the op's forward arguments except the per-backend feature
-    support (softcap/ALiBi/dropout), which only the C++ backend knows, and the
-    values of the sequence tensors."""
+    support (softcap/ALiBi/dropout/learnable_sink), which only the C++ backend knows,
+    and the values of the sequence tensors."""
     check_qkv(q, k, v, kernel_layout=kernel_layout, layout=layout)
     check_softmax_scale(softmax_scale)
     check_dropout_p(dropout_p)
     check_softcap(softcap)
     check_alibi_slopes(alibi_slopes, q, layout)
+    check_learnable_sink(learnable_sink, q)
     check_rng_state(rng_state, dropout_p)
 
 
 def check_backward_args(dout, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, dropout_p,
-                        rng_state, layout: SequenceLayout = DENSE) -> None:
+                        rng_state, layout: SequenceLayout = DENSE,
+                        learnable_sink: Optional[torch.Tensor] = None) -> None:
     check_forward_args(q, k, v, softmax_scale, softcap, alibi_slopes, dropout_p, rng_state,
-                       kernel_layout=True, layout=layout)
+                       kernel_layout=True, layout=layout, learnable_sink=learnable_sink)
     for t, name in ((dout, "dout"), (out, "out")):
         check_is_tensor(t, name)
         check_sequence_rank(t, name, layout.varlen_q)
