@@ -658,7 +658,7 @@ def check_ours_against_sdpa(q, k, v, causal: bool, scale: float, *, check_backwa
     scale_of = {"out": ref.abs().max().item()}
 
     if check_backward:
-        dq, dk, dv = ours_backward_op(dout, qs, ks, vs, out, lse, scale, causal)
+        dq, dk, dv, _ = ours_backward_op(dout, qs, ks, vs, out, lse, scale, causal)
         dout_b = dout.transpose(1, 2)
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -115,6 +115,9 @@ void check_options(const AttentionOptions& opts, const at::Tensor& q, const at::
   TORCH_CHECK_NOT_IMPLEMENTED(opts.dropout_p == 0.0 || backend.dropout,
                               "flashattn_ext: dropout_p > 0 is not implemented on ", backend.name,
                               " yet (got dropout_p=", opts.dropout_p, ")");
+  TORCH_CHECK_NOT_IMPLEMENTED(!opts.learnable_sink.has_value() || backend.learnable_sink,
+                              "flashattn_ext: learnable_sink is not implemented on ", backend.name,
+                              " yet");
   TORCH_CHECK_NOT_IMPLEMENTED(opts.softcap == 0.0 || backend.softcap,
                               "flashattn_ext: softcap is not implemented on ", backend.name,
                               " yet (got softcap=", opts.softcap, ")");
@@ -132,6 +135,17 @@ void check_options(const AttentionOptions& opts, const at::Tensor& q, const at::
                 h, ",) or (batch, nheads) = (", b, ", ", h, "), got ", s.sym_sizes());
     TORCH_CHECK(holds(s.sym_stride(-1) == 1), "flashattn_ext: alibi_slopes must be contiguous in its last "
                 "dimension: got stride ", s.sym_stride(-1), ", expected 1");
+  }
+  if (opts.learnable_sink.has_value()) {
+    const at::Tensor& sink = *opts.learnable_sink;
+    check_same_device(sink, "learnable_sink", q);
+    TORCH_CHECK(sink.scalar_type() == at::kFloat, "flashattn_ext: learnable_sink must be float32, got ",
+                sink.scalar_type());
+    const c10::SymInt h = q.sym_size(-2);
+    TORCH_CHECK(sink.dim() == 1 && holds(sink.sym_size(0) == h), "flashattn_ext: learnable_sink must have shape "
+                "(nheads,) = (", h, ",), got ", sink.sym_sizes());
+    TORCH_CHECK(holds(sink.sym_size(0) <= 1) || holds(sink.sym_stride(0) == 1), "flashattn_ext: learnable_sink must be "
+                "contiguous: got stride ", sink.sym_stride(0), ", expected 1");
   }
   if (opts.dropout_p > 0.0) {
     TORCH_CHECK(opts.rng_state.has_value(), "flashattn_ext: rng_state (int64 [seed, offset]) is "
@@ -237,13 +251,16 @@ std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(const at::Tensor& q,
   return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(lse_shape_of(q, opts.layout), lse_options)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_backward_outputs(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_backward_outputs(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& opts) {
   const auto make = [](const at::Tensor& t, bool zeroed) {
     return zeroed ? at::zeros_symint(t.sym_sizes(), t.options()) : at::empty_symint(t.sym_sizes(), t.options());
   };
   const bool keys_unused = opts.layout.seqused_k.has_value();
-  return {make(q, opts.layout.seqused_q.has_value()), make(k, keys_unused), make(v, keys_unused)};
+  const c10::SymInt sink_heads = opts.learnable_sink ? q.sym_size(-2) : c10::SymInt(0);
+  const at::Tensor dsink = at::zeros_symint({batch_of(q, opts.layout.cu_seqlens_q), sink_heads},
+                                            q.options().dtype(at::kFloat));
+  return {make(q, opts.layout.seqused_q.has_value()), make(k, keys_unused), make(v, keys_unused), dsink};
 }
 
 ProblemSizes problem_sizes(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts) {
@@ -309,8 +326,8 @@ void check_sequence_values(const at::Tensor& q, const at::Tensor& k, const Atten
   }
 }
 
-bool is_empty_problem(const at::Tensor& q, const at::Tensor& k) {
-  return q.numel() == 0 || k.size(-3) == 0 || k.size(-2) == 0;
+bool is_empty_problem(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts) {
+  return q.numel() == 0 || ((k.size(-3) == 0 || k.size(-2) == 0) && !opts.learnable_sink.has_value());
 }
 
 namespace {

@@ -41,8 +41,9 @@ struct AttentionOptions {
   double softcap;
   std::optional<at::Tensor> alibi_slopes;
   double dropout_p;
-  std::optional<at::Tensor> rng_state;
+  std::optional<at::Tensor> rng_state;  // int64 [seed, offset]; read when dropout_p > 0
   SequenceLayout layout;
+  std::optional<at::Tensor> learnable_sink;  // fp32 (nheads,); absent: no sink
 };
 
 // Which optional features a backend implements; the rest are refused with
@@ -52,6 +53,7 @@ struct BackendFeatures {
   bool softcap;
   bool alibi;
   bool dropout;
+  bool learnable_sink;
   bool (*dtype_supported)(at::ScalarType);
 };
 
@@ -90,13 +92,15 @@ inline at::ScalarType lse_dtype(at::ScalarType q_dtype) {
 std::tuple<at::Tensor, at::Tensor> allocate_forward_outputs(const at::Tensor& q,
                                                             const AttentionOptions& opts);
 
-// Fresh dq, dk, dv like q, k, v; zero where seqused leaves rows no kernel writes.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_backward_outputs(
+// Fresh dq, dk, dv like q, k, v, zero where seqused leaves rows no kernel writes, and
+// dsink: fp32 zeros (batch, nheads) with a sink, (batch, 0) without.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_backward_outputs(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& opts);
 
 // True when the call has nothing to compute (a zero-sized dimension). The outputs
-// are then already final: out = 0 and lse = +inf (no key visible) or empty.
-bool is_empty_problem(const at::Tensor& q, const at::Tensor& k);
+// are then already final: out = 0 and lse = +inf (no key visible) or empty. A call
+// with queries, a sink and no key is not empty: its rows get lse = sink.
+bool is_empty_problem(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts);
 
 AttentionFwdParams make_forward_params(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out,

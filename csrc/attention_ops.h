@@ -14,27 +14,35 @@ namespace flashattn {
       const std::optional<at::Tensor>&seqused_q, const std::optional<at::Tensor>&seqused_k,   \
       int64_t max_seqlen_q, int64_t max_seqlen_k
 
+// One sink logit per query head (ops_schema.cpp); absent: no sink.
+#define FLASHATTN_SINK_ARGS const std::optional<at::Tensor>&learnable_sink
+
 #define FLASHATTN_FORWARD_ARGS                                                            \
   const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, double softmax_scale,   \
       bool causal, int64_t window_left, int64_t window_right, double softcap,           \
       const std::optional<at::Tensor>&alibi_slopes, double dropout_p,                    \
-      const std::optional<at::Tensor>&rng_state, bool deterministic, FLASHATTN_SEQUENCE_ARGS
+      const std::optional<at::Tensor>&rng_state, bool deterministic, FLASHATTN_SEQUENCE_ARGS, \
+      FLASHATTN_SINK_ARGS
 
 #define FLASHATTN_BACKWARD_ARGS                                                           \
   const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, \
       const at::Tensor &out, const at::Tensor &lse, double softmax_scale, bool causal,   \
       int64_t window_left, int64_t window_right, double softcap,                         \
       const std::optional<at::Tensor>&alibi_slopes, double dropout_p,                    \
-      const std::optional<at::Tensor>&rng_state, bool deterministic, FLASHATTN_SEQUENCE_ARGS
+      const std::optional<at::Tensor>&rng_state, bool deterministic, FLASHATTN_SEQUENCE_ARGS, \
+      FLASHATTN_SINK_ARGS
 
 // The names of the sequence arguments, in schema order (for forwarding calls).
 #define FLASHATTN_SEQUENCE_ARG_NAMES \
   cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k
 
+// (dq, dk, dv, dsink).
+using BackwardGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(FLASHATTN_BACKWARD_ARGS);
+BackwardGradients attention_backward_cpu(FLASHATTN_BACKWARD_ARGS);
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(FLASHATTN_BACKWARD_ARGS);
+BackwardGradients attention_backward_cuda(FLASHATTN_BACKWARD_ARGS);
 
 }  // namespace flashattn

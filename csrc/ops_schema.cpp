@@ -2,8 +2,8 @@
 // these with TORCH_LIBRARY_IMPL; the Python package adds fake (meta) kernels and
 // autograd in flashattn_ext/ops.py.
 //
-// The schemas carry every feature planned (window, softcap, ALiBi, dropout,
-// deterministic backward), so adding a kernel feature never changes them: a
+// The schemas carry every feature planned (window, softcap, ALiBi, dropout, learnable
+// sinks, deterministic backward), so adding a kernel feature never changes them: a
 // backend that lacks a feature refuses it with NotImplementedError.
 #include <torch/library.h>
 
@@ -17,6 +17,12 @@
   "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_q=None, "        \
   "Tensor? seqused_k=None, int max_seqlen_q=-1, int max_seqlen_k=-1"
 
+// learnable_sink (fp32, (nheads,); FlashAttention-4's learnable_sink, gpt-oss's sinks): one
+// logit per query head that joins every row's softmax denominator and contributes no
+// value. lse includes it, so the backward's P = exp(s - lse) sums to 1 - exp(sink - lse)
+// over the keys, and a row that sees no key gets out = 0 and lse = sink.
+#define FLASHATTN_SINK_SCHEMA "Tensor? learnable_sink=None"
+
 TORCH_LIBRARY(flashattn_ext, m) {
   // q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim).
   // Returns out like q and lse (batch, nheads, seqlen_q) fp32 ((nheads, total_q) for a
@@ -24,15 +30,23 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // that sees no key gets out = 0 and lse = +inf. `deterministic` does not change the
   // forward: it is the choice of backward, carried by the op so that its autograd
   // formula (flashattn_ext/ops.py) needs no state of its own.
+  // Dropout (dropout_p > 0) keeps each probability with probability 1 - dropout_p and
+  // scales it by 1 / (1 - dropout_p) before P V; the mask is a function of rng_state
+  // (int64 [seed, offset]) and the element's position (csrc/common/philox.h). lse is that of the
+  // undropped probabilities.
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
       "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
       "float dropout_p, Tensor? rng_state, bool deterministic=False, " FLASHATTN_SEQUENCE_SCHEMA
-      ") -> (Tensor out, Tensor lse)");
-  // Recomputes the attention blocks from q, k and the saved lse; never stores P.
+      ", " FLASHATTN_SINK_SCHEMA ") -> (Tensor out, Tensor lse)");
+  // Recomputes the attention blocks (and the dropout mask) from q, k, the saved lse and
+  // rng_state; never stores P. dsink is fp32 (batch, nheads), each batch entry's share of
+  // the sink's gradient (the autograd formula sums it over the batch; kept apart so that
+  // torch.vmap can unfold it), and (batch, 0) without a sink.
   m.def(
       "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
       "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic, "
-      FLASHATTN_SEQUENCE_SCHEMA ") -> (Tensor dq, Tensor dk, Tensor dv)");
+      FLASHATTN_SEQUENCE_SCHEMA ", " FLASHATTN_SINK_SCHEMA
+      ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsink)");
 }

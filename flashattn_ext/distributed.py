@@ -25,7 +25,8 @@ is relative to the bottom-right corner of the q and k it is given, so each
 block's part of the global mask is rebuilt by trimming the block to the rows
 and keys that see one another (_band_call): causal and any sliding window are
 exact. ALiBi is not (its bias needs a per-block distance offset the op lacks),
-nor is dropout (no backend has it); both raise NotImplementedError.
+nor is dropout (its mask is keyed by the row and column within the op's call, so
+the blocks would need global offsets too); both raise NotImplementedError.
 
 Works on any backend the kernels run on: CUDA tensors with NCCL, CPU tensors
 with gloo. Every rank must pass shards of the same shape.
@@ -233,7 +234,7 @@ def _ring_backward(dout, q, kv, out, lse, layout, softmax_scale, lo, hi, determi
         dkv = torch.zeros(kv.shape, dtype=wide, device=q.device)
         for qs, qe, ks, ke, left, right in _held_block_calls(layout, ring, step, local_len, lo, hi):
             q_rows, k_rows, v_rows = q[:, qs:qe], kv[0, :, ks:ke], kv[1, :, ks:ke]
-            block_dq, block_dk, block_dv = ops.run_backward(
+            block_dq, block_dk, block_dv, _ = ops.run_backward(
                 dout[:, qs:qe], q_rows, k_rows, v_rows, out[:, qs:qe], lse[:, :, qs:qe], softmax_scale,
                 False, left, right, 0.0, None, 0.0, None, deterministic)
             dq[:, qs:qe] += block_dq
@@ -320,7 +321,7 @@ def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alib
     _check_shard_lengths(q, k, layout, ring.size)
     if dropout_p > 0.0:
         raise NotImplementedError(
-            f"flashattn_ext: dropout_p > 0 is not implemented by any backend yet, got {dropout_p}")
+            f"flashattn_ext: dropout_p > 0 is not implemented by ring attention yet, got {dropout_p}")
     if alibi_slopes is not None:
         raise NotImplementedError(
             "flashattn_ext: alibi_slopes is not supported by ring attention: the op measures the "

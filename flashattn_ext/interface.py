@@ -16,22 +16,39 @@ not contiguous, or when its head dim is not a multiple of 8 (it is then padded
 with zeros to the next multiple, which the op requires, and the output is
 sliced back).
 
+Additions to flash-attn 2.x, keyword-only after its arguments:
+
+* ``learnable_sink`` (FlashAttention-4's learnable_sink, gpt-oss's sinks): fp32
+  ``(nheads,)``, one logit per query head that joins every row's softmax denominator
+  (it takes probability mass and contributes no value), with a gradient. The returned
+  softmax_lse includes it, and a row that sees no key gets out = 0, lse = sink.
+
+Dropout (``dropout_p > 0``, flash-attn 2.x semantics: each probability kept with
+probability 1 - dropout_p and scaled by 1 / (1 - dropout_p); softmax_lse is that of the
+undropped probabilities). Each call draws a fresh seed from torch's generator of q's
+device, so ``torch.manual_seed`` reproduces a call bit for bit and consecutive calls get
+different masks; the mask is a function of the seed and the element's position, so the
+backward regenerates it and it does not depend on the thread count. The CPU and CUDA
+masks of one seed need not agree.
+
 Differences from flash-attn, all deliberate:
 
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``. flash-attn's
-  third value is the attention-probability matrix with the dropout pattern,
-  meant for testing only; materialising it is what this library exists to
-  avoid, so it is never computed.
+  third value is the attention-probability matrix with the dropout pattern
+  (S_dmask), meant for testing only; materialising it is what this library exists
+  to avoid, so it is never computed, with dropout or without. A test recovers the
+  mask from out instead (tests/test_variants_cpu.py: v = identity).
 * The returned softmax_lse has no gradient: a loss that depends on it gets
   none through it (as in flash-attn, whose backward ignores it too).
 * A row that sees no key (possible with a sliding window, or causal with
-  seqlen_q > seqlen_k) gets out = 0 and lse = +inf.
+  seqlen_q > seqlen_k) gets out = 0 and lse = +inf (lse = sink with a learnable_sink).
 * flash_attn_varlen_func also takes FA3's keyword-only seqused_q / seqused_k
   (int32, (batch,)): only the first seqused[b] rows of sequence b count; the rows
   past them get out = 0, lse = +inf and zero gradients. Its block_table (paged KV)
   raises NotImplementedError.
-* Devices: CPU (fp32, fp64, bf16, fp16; every feature but dropout) and CUDA
-  (fp16, bf16) where the build has the CUDA kernels.
+* Devices: CPU (fp32, fp64, bf16, fp16; every feature) and CUDA (fp16, bf16) where
+  the build has the CUDA kernels (softcap, ALiBi, dropout and learnable_sink not yet:
+  NotImplementedError).
 """
 
 from __future__ import annotations
@@ -82,15 +99,17 @@ def _softmax_scale(softmax_scale, head_dim: int) -> float:
 def _draw_rng_state(device: torch.device) -> torch.Tensor:
     """[seed, offset] (int64) for a dropout call, drawn from torch's generator of
     ``device``: torch.manual_seed makes the mask reproducible, and each call
-    advances the generator so consecutive calls get different masks. The
-    backward reuses the same tensor, so it regenerates the forward's mask."""
+    advances the generator, so consecutive calls get a fresh seed and different
+    masks (the offset stays 0). The backward reuses the same tensor, so it
+    regenerates the forward's mask (csrc/philox.h)."""
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
     offset = torch.zeros(1, dtype=torch.int64, device=device)
     return torch.cat([seed, offset])
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, layout: checks.SequenceLayout = checks.DENSE):
+               deterministic, return_attn_probs, learnable_sink,
+               layout: checks.SequenceLayout = checks.DENSE):
     """Every public function: one forward op call (whose autograd formula is registered
     in ops.py, and whose C++ checks see every argument) on the operands in its layout."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
@@ -105,7 +124,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
     out, lse = ops.attention_forward(*_kernel_operands(q, k, v, layout), softmax_scale, bool(causal), window_left,
                                      window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                                     bool(deterministic), *layout.op_args())
+                                     bool(deterministic), *layout.op_args(), learnable_sink)
     out = out[..., :head_dim]
     if return_attn_probs:
         return out, lse, None
@@ -124,6 +143,8 @@ def flash_attn_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Exact attention softmax(q·kᵀ·scale + bias)·v without materialising the scores.
 
@@ -131,9 +152,9 @@ def flash_attn_func(
         q: (batch, seqlen_q, nheads, head_dim)
         k, v: (batch, seqlen_k, nheads_kv, head_dim); nheads % nheads_kv == 0 (MQA/GQA).
             head_dim <= 256; one not a multiple of 8 is zero-padded internally.
-        dropout_p: dropout probability in [0, 1). Pass 0.0 at evaluation. Values > 0
-            are plumbed through (an RNG state is drawn from torch's generator) but
-            no backend implements dropout yet: NotImplementedError.
+        dropout_p: dropout probability in [0, 1). Pass 0.0 at evaluation. Each call
+            draws its mask from torch's generator (see the module docstring); CUDA
+            refuses dropout_p > 0 (NotImplementedError) until its kernels have it.
         softmax_scale: scale of q·kᵀ; default 1/sqrt(head_dim).
         causal: causal mask aligned to the bottom-right corner of the score matrix.
         window_size: (left, right) sliding window; -1 means unbounded. Query i sees
@@ -141,14 +162,17 @@ def flash_attn_func(
         softcap: > 0 applies softcap·tanh(score / softcap) before the bias.
         alibi_slopes: fp32 (nheads,) or (batch, nheads); adds -slope·|i + seqlen_k - seqlen_q - j|.
         deterministic: deterministic backward (the CPU backward always is).
-        return_attn_probs: also return softmax_lse and None (see the module docstring).
+        return_attn_probs: also return softmax_lse and None, not the probabilities
+            (see the module docstring).
+        learnable_sink (keyword only): fp32 (nheads,) sink logits, one per query head,
+            that join each row's softmax denominator; differentiable.
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim); with return_attn_probs,
         (out, softmax_lse (batch, nheads, seqlen_q) fp32 (fp64 for fp64 inputs), None).
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs)
+                      alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_qkvpacked_func(
@@ -161,6 +185,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """flash_attn_func on qkv (batch, seqlen, 3, nheads, head_dim).
 
@@ -170,7 +196,7 @@ def flash_attn_qkvpacked_func(
     checks.check_packed(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, head_dim)")
     q, k, v = qkv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs)
+                      alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_kvpacked_func(
@@ -184,6 +210,8 @@ def flash_attn_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """flash_attn_func on q (batch, seqlen_q, nheads, head_dim) and
     kv (batch, seqlen_k, 2, nheads_kv, head_dim); k and v are strided slices of kv."""
@@ -191,7 +219,7 @@ def flash_attn_kvpacked_func(
     checks.check_packed(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_kv, head_dim)")
     k, v = kv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs)
+                      alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 def _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
@@ -224,6 +252,7 @@ def flash_attn_varlen_func(
     *,
     seqused_q: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """flash_attn_func on a batch of sequences of different lengths, concatenated.
 
@@ -250,7 +279,7 @@ def flash_attn_varlen_func(
     layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                             seqused_k)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, layout)
+                      alibi_slopes, deterministic, return_attn_probs, learnable_sink, layout)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -265,6 +294,8 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """flash_attn_varlen_func on qkv (total, 3, nheads, head_dim), one cu_seqlens and
     max_seqlen for queries and keys; q, k and v are strided slices of qkv."""
@@ -272,7 +303,7 @@ def flash_attn_varlen_qkvpacked_func(
     q, k, v = qkv.unbind(dim=1)
     layout = _varlen_layout(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, layout)
+                      alibi_slopes, deterministic, return_attn_probs, learnable_sink, layout)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -290,6 +321,8 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """flash_attn_varlen_func on q (total_q, nheads, head_dim) and
     kv (total_k, 2, nheads_kv, head_dim); k and v are strided slices of kv."""
@@ -298,4 +331,4 @@ def flash_attn_varlen_kvpacked_func(
     k, v = kv.unbind(dim=1)
     layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, layout)
+                      alibi_slopes, deterministic, return_attn_probs, learnable_sink, layout)

@@ -12,17 +12,20 @@ C++ side leaves to Python:
   calls the forward op directly.
 * ``register_vmap`` for both ops: the vmapped dimension is folded into the
   batch dimension, so ``torch.vmap`` costs one kernel launch. Calls with
-  cu_seqlens or seqused are refused (NotImplementedError).
+  cu_seqlens or seqused are refused (NotImplementedError), and so are a vmapped
+  rng_state or learnable_sink (one per call).
 * ``register_autograd`` for ``attention_backward``, which refuses: the backward
   has no derivative of its own (double backward), and an op without one would
   otherwise give zero second derivatives with only a warning.
 
 Gradient conventions:
 
+* q, k, v and learnable_sink get gradients. The backward op returns the sink's
+  gradient per batch entry, (batch, nheads); the formula here sums it over the batch.
 * Only out carries a gradient. The returned lse (log-sum-exp of each row) is
   treated as a non-differentiable by-product, as in flash-attn: a gradient
   flowing into it is ignored (the backward never reads it).
-* The scalar and optional arguments (softmax_scale, causal, window, softcap,
+* The other scalar and optional arguments (softmax_scale, causal, window, softcap,
   alibi_slopes, dropout_p, rng_state, deterministic, and the sequence arguments
   cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k) get no gradient; the sequence
   arguments are handed to the backward op as the forward got them.
@@ -53,13 +56,13 @@ HAS_CUDA_KERNELS = has_kernel("attention_forward", "CUDA") and has_kernel("atten
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
      rng_state, deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-     max_seqlen_k) = inputs
+     max_seqlen_k, learnable_sink) = inputs
     out, lse = output
-    # alibi_slopes, rng_state and the sequence tensors are saved as tensors too (None
-    # is allowed): the backward must see exactly the slopes, the dropout mask and the
-    # sequences of the forward.
+    # alibi_slopes, rng_state, the sequence tensors and the sink are saved as tensors
+    # too (None is allowed): the backward must see exactly the slopes, the dropout mask,
+    # the sequences and the sink of the forward.
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k)
+                          seqused_q, seqused_k, learnable_sink)
     ctx.max_seqlen_q = max_seqlen_q
     ctx.max_seqlen_k = max_seqlen_k
     ctx.softmax_scale = softmax_scale
@@ -85,26 +88,28 @@ def unit_stride_last_dim(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                 softcap, alibi_slopes, dropout_p, rng_state, deterministic, *sequence_args):
-    """attention_backward on a gradient of any strides; returns (dq, dk, dv).
-    sequence_args: the op's sequence arguments (cu_seqlens_q, cu_seqlens_k, seqused_q,
-    seqused_k, max_seqlen_q, max_seqlen_k), none for a dense call."""
+                 softcap, alibi_slopes, dropout_p, rng_state, deterministic, *trailing_args):
+    """attention_backward on a gradient of any strides; returns (dq, dk, dv, dsink).
+    trailing_args: the op's sequence arguments (cu_seqlens_q, cu_seqlens_k, seqused_q,
+    seqused_k, max_seqlen_q, max_seqlen_k) and learnable_sink, none for a dense call
+    without a sink."""
     return attention_backward(unit_stride_last_dim(dout), q, k, v, out, lse, softmax_scale, causal,
                               window_left, window_right, softcap, alibi_slopes, dropout_p,
-                              rng_state, deterministic, *sequence_args)
+                              rng_state, deterministic, *trailing_args)
 
 
 def _backward(ctx, dout, dlse):
     del dlse  # lse is not differentiable (see the module docstring)
     (q, k, v, out, lse, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_q,
-     seqused_k) = ctx.saved_tensors
-    dq, dk, dv = run_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                              ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes,
-                              ctx.dropout_p, rng_state, ctx.deterministic, cu_seqlens_q,
-                              cu_seqlens_k, seqused_q, seqused_k, ctx.max_seqlen_q,
-                              ctx.max_seqlen_k)
-    # One entry per forward input: q, k, v, then None for the 15 non-differentiable ones.
-    return (dq, dk, dv) + (None,) * 15
+     seqused_k, learnable_sink) = ctx.saved_tensors
+    dq, dk, dv, dsink = run_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                                     ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes,
+                                     ctx.dropout_p, rng_state, ctx.deterministic, cu_seqlens_q,
+                                     cu_seqlens_k, seqused_q, seqused_k, ctx.max_seqlen_q,
+                                     ctx.max_seqlen_k, learnable_sink)
+    dsink = dsink.sum(0) if learnable_sink is not None else None
+    # One entry per forward input: q, k, v, None for the 15 non-differentiable ones, the sink.
+    return (dq, dk, dv) + (None,) * 15 + (dsink,)
 
 
 torch.library.register_autograd("flashattn_ext::attention_forward", _backward,
@@ -140,10 +145,21 @@ def _fold_alibi_slopes(slopes, dim, size: int, batch: int):
     return slopes.reshape(size * batch, slopes.size(-1)).contiguous()
 
 
-def _check_rng_state_not_vmapped(dim) -> None:
+def _check_not_vmapped(dim, name: str, expected: str) -> None:
+    """rng_state and learnable_sink hold one value for the whole call, which folding the
+    vmapped dimension into the batch keeps."""
     if dim is not None:
-        raise RuntimeError("flashattn_ext: rng_state cannot be vmapped over: got a batched rng_state, "
-                           "expected one [seed, offset] for the whole call")
+        raise RuntimeError(f"flashattn_ext: {name} cannot be vmapped over: got a batched {name}, "
+                           f"expected {expected} for the whole call")
+
+
+def _check_call_constants_not_vmapped(in_dims, rng_state_index: int, learnable_sink_index: int) -> None:
+    # in_dims has an entry per argument given: a defaulted learnable_sink has none.
+    def dim_of(index):
+        return in_dims[index] if index < len(in_dims) else None
+
+    _check_not_vmapped(dim_of(rng_state_index), "rng_state", "one [seed, offset]")
+    _check_not_vmapped(dim_of(learnable_sink_index), "learnable_sink", "one (nheads,) sink")
 
 
 def _check_dense_for_vmap(*sequence_tensors) -> None:
@@ -159,16 +175,17 @@ def _check_dense_for_vmap(*sequence_tensors) -> None:
 def _attention_forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_left,
                             window_right, softcap, alibi_slopes, dropout_p, rng_state,
                             deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
-                            seqused_q=None, seqused_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+                            seqused_q=None, seqused_k=None, max_seqlen_q=-1, max_seqlen_k=-1,
+                            learnable_sink=None):
     size = info.batch_size
-    _check_rng_state_not_vmapped(in_dims[10])
+    _check_call_constants_not_vmapped(in_dims, 10, 18)
     _check_dense_for_vmap(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     q, k, v = (_fold_into_batch(t, d, size) for t, d in zip((q, k, v), in_dims[:3]))
     batch = q.size(0) // size if size else 0
     out, lse = attention_forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                                  _fold_alibi_slopes(alibi_slopes, in_dims[8], size, batch),
                                  dropout_p, rng_state, deterministic, max_seqlen_q=max_seqlen_q,
-                                 max_seqlen_k=max_seqlen_k)
+                                 max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink)
     return (out.unflatten(0, (size, batch)), lse.unflatten(0, (size, batch))), (0, 0)
 
 
@@ -176,9 +193,9 @@ def _attention_forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, windo
 def _attention_backward_vmap(info, in_dims, dout, q, k, v, out, lse, softmax_scale, causal,
                              window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
                              deterministic, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                             seqused_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+                             seqused_k=None, max_seqlen_q=-1, max_seqlen_k=-1, learnable_sink=None):
     size = info.batch_size
-    _check_rng_state_not_vmapped(in_dims[13])
+    _check_call_constants_not_vmapped(in_dims, 13, 21)
     _check_dense_for_vmap(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     dout, q, k, v, out, lse = (_fold_into_batch(t, d, size)
                                for t, d in zip((dout, q, k, v, out, lse), in_dims[:6]))
@@ -187,5 +204,6 @@ def _attention_backward_vmap(info, in_dims, dout, q, k, v, out, lse, softmax_sca
                                window_right, softcap,
                                _fold_alibi_slopes(alibi_slopes, in_dims[11], size, batch),
                                dropout_p, rng_state, deterministic, max_seqlen_q=max_seqlen_q,
-                               max_seqlen_k=max_seqlen_k)
-    return tuple(g.unflatten(0, (size, batch)) for g in grads), (0, 0, 0)
+                               max_seqlen_k=max_seqlen_k, learnable_sink=learnable_sink)
+    # dsink is per batch entry like the others, so each vmapped entry gets its own.
+    return tuple(g.unflatten(0, (size, batch)) for g in grads), (0, 0, 0, 0)

@@ -29,6 +29,9 @@ reference, with FACTOR = 2 for out and lse and 3 for dq, dk, dv:
 * fp64: kernel error <= 1e-10 x scale + 1e-12 (lse included: it is fp64 for
   fp64 inputs).
 
+The sink's gradient (dsink) is held to the gradients' rule with its own scale; it is
+fp32 (the sink's dtype) for every input dtype, so fp64 inputs hold it to the fp32 bound.
+
 scale is max |reference| of the tensor for out and lse, and the largest of
 max |dq|, |dk|, |dv| for the gradients: a gradient that is ~0 in exact
 arithmetic (one visible key: dk = 0) is left with rounding noise of the size of
@@ -52,6 +55,8 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # dtypes whose tolerance uses the same-precision PyTorch baseline.
 BASELINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GRADIENTS = ("dq", "dk", "dv")
+# The sink's gradient sums over every row of its head: its own scale, the gradients' floors.
+SINK_GRADIENT = "dsink"
 
 
 def visibility_mask(seqlen_q: int, seqlen_k: int, causal: bool, window: Tuple[int, int],
@@ -77,13 +82,21 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         softmax_scale: Optional[float] = None, causal: bool = False,
                         window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                         alibi_slopes: Optional[torch.Tensor] = None,
+                        learnable_sink: Optional[torch.Tensor] = None,
+                        dropout_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                         compute_dtype: torch.dtype = torch.float64):
     """(out, lse) of attention on (batch, seqlen, nheads, head_dim) inputs, computed
     in ``compute_dtype`` (fp64 for the reference; the inputs' own dtype for the
-    low-precision PyTorch baseline). Differentiable with respect to q, k, v.
+    low-precision PyTorch baseline). Differentiable with respect to q, k, v and
+    learnable_sink.
+
+    learnable_sink (nheads,): a logit per head appended to every row's scores; it joins
+    the softmax (and lse) and contributes no value. dropout_mask (batch, nheads,
+    seqlen_q, seqlen_k) bool: the kept probabilities, scaled by 1 / (1 - dropout_p)
+    before P V; lse is that of the undropped ones.
 
     out has q's shape and compute_dtype; lse is (batch, nheads, seqlen_q) in
-    compute_dtype, +inf for rows that see no key (whose out is 0)."""
+    compute_dtype, +inf for rows that see no key and no sink (whose out is 0)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if softmax_scale is None:
@@ -106,24 +119,37 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         scores = scores - slopes[:, :, None, None] * distance
 
     visible = visibility_mask(seqlen_q, seqlen_k, causal, window, device=q.device)
-    row_sees_a_key = visible.any(dim=-1)  # (seqlen_q,)
     scores = scores.masked_fill(~visible, float("-inf"))
+    if learnable_sink is not None:
+        sink = learnable_sink.to(compute_dtype).view(1, nheads, 1, 1)
+        scores = torch.cat([scores, sink.expand(batch, nheads, seqlen_q, 1)], dim=-1)
+        visible = torch.cat([visible, visible.new_ones(seqlen_q, 1)], dim=-1)
+    row_sees_a_key = visible.any(dim=-1)  # (seqlen_q,)
     # Rows that see nothing: score 0 everywhere, so softmax and logsumexp stay
     # finite (no NaN in the gradient); their probabilities are zeroed below.
     scores = scores.masked_fill(~row_sees_a_key.view(-1, 1), 0.0)
-    probs = torch.softmax(scores, dim=-1) * visible
+    probs = (torch.softmax(scores, dim=-1) * visible)[..., :seqlen_k]
+    if dropout_mask is not None:
+        probs = probs * dropout_mask / (1.0 - dropout_p)
     out = torch.einsum("bhij,bjhd->bihd", probs, v)
     lse = torch.logsumexp(scores, dim=-1).masked_fill(~row_sees_a_key, float("inf"))
     return out, lse
 
 
 def attention_reference_with_grads(q, k, v, dout, **kwargs):
-    """(out, lse, dq, dk, dv) of attention_reference, gradients of <out, dout> by autograd."""
+    """(out, lse, dq, dk, dv) of attention_reference, gradients of <out, dout> by autograd;
+    (out, lse, dq, dk, dv, dsink) with a learnable_sink (dsink in fp32, the sink's dtype,
+    from the gradient in compute_dtype)."""
     compute_dtype = kwargs.get("compute_dtype", torch.float64)
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    out, lse = attention_reference(*leaves, **kwargs)
-    dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(compute_dtype), allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), leaves)]
+    sink = kwargs.pop("learnable_sink", None)
+    if sink is not None:
+        # A leaf in compute_dtype, so that the low-precision baseline rounds it as it does q.
+        leaves.append(sink.detach().to(compute_dtype).requires_grad_(True))
+        kwargs["learnable_sink"] = leaves[-1]
+    out, lse = attention_reference(*leaves[:3], **kwargs)
+    grads = torch.autograd.grad(out, leaves, dout.to(compute_dtype), allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
     return (out.detach(), lse.detach(), *grads)
 
 
@@ -164,7 +190,7 @@ def tolerance(name: str, dtype: torch.dtype, reference: torch.Tensor,
         assert low_precision is not None, "the low-precision baseline is needed for bf16/fp16"
         factor = FORWARD_FACTOR if name in ("out", "lse") else BACKWARD_FACTOR
         floor = ABS_FLOOR
-        if name in GRADIENTS:
+        if name in GRADIENTS + (SINK_GRADIENT,):
             floor = max(floor, FP32_NOISE_RTOL * scale, output_rounding(reference, dtype))
         return factor * max_abs_error(low_precision, reference) + floor
     if dtype == torch.float32:
@@ -175,6 +201,8 @@ def tolerance(name: str, dtype: torch.dtype, reference: torch.Tensor,
         baseline = factor * max_abs_error(low_precision, reference) if low_precision is not None else 0.0
         return max(FP32_RTOL * scale, baseline) + FP32_ATOL
     if dtype == torch.float64:
+        if name == SINK_GRADIENT:  # fp32 (the sink's dtype) whatever the inputs' dtype
+            return FP32_RTOL * scale + FP32_ATOL
         return FP64_RTOL * scale + FP64_ATOL
     raise ValueError(f"no tolerance for {dtype}")
 

@@ -21,6 +21,16 @@ CPU_BLOCK = 128
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
+# The ops' sequence arguments of a dense call, their schema defaults.
+DENSE_SEQUENCE_ARGS = (None, None, None, None, -1, -1)
+
+
+def make_sink(wanted: bool, nheads: int, gen: torch.Generator, device, requires_grad: bool):
+    """A learnable_sink (fp32 (nheads,)) of logits around the scores' size, or None."""
+    if not wanted:
+        return None
+    return (torch.randn(nheads, generator=gen) + 1.0).to(device).requires_grad_(requires_grad)
+
 
 def alibi_slopes_for(nheads: int) -> torch.Tensor:
     """The standard ALiBi slopes 2^(-8 (h + 1) / nheads), fp32 (nheads,)."""
@@ -43,30 +53,44 @@ class AttentionInputs:
     # The ops' arguments after `deterministic`: (cu_seqlens_q, cu_seqlens_k, seqused_q,
     # seqused_k, max_seqlen_q, max_seqlen_k); empty for a dense call.
     sequence_args: tuple = ()
+    learnable_sink: Optional[torch.Tensor] = None
 
     def func_kwargs(self) -> dict:
         """Keyword arguments of flash_attn_func (flash-attn names)."""
         return dict(softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window,
-                    softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes,
+                    learnable_sink=self.learnable_sink)
 
     def reference_kwargs(self) -> dict:
         return dict(softmax_scale=self.softmax_scale, causal=self.causal, window=self.window,
-                    softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes,
+                    learnable_sink=self.learnable_sink)
+
+    def differentiable(self) -> tuple:
+        """The inputs that get gradients: q, k, v and the sink where there is one."""
+        return (self.q, self.k, self.v) + ((self.learnable_sink,) if self.learnable_sink is not None else ())
 
     def resolved_scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else self.q.size(-1) ** -0.5
+
+    def _trailing_op_args(self) -> tuple:
+        """The ops' arguments after `deterministic`, as short as the call allows."""
+        if self.learnable_sink is None:
+            return self.sequence_args
+        return (self.sequence_args or DENSE_SEQUENCE_ARGS) + (self.learnable_sink,)
 
     def forward_op_args(self) -> tuple:
         """Positional arguments of torch.ops.flashattn_ext.attention_forward."""
         args = (self.q, self.k, self.v, self.resolved_scale(), self.causal, self.window[0],
                 self.window[1], self.softcap, self.alibi_slopes, 0.0, None)
-        return args + ((False, *self.sequence_args) if self.sequence_args else ())
+        trailing = self._trailing_op_args()
+        return args + ((False, *trailing) if trailing else ())
 
     def backward_op_args(self, out: torch.Tensor, lse: torch.Tensor, deterministic: bool = False) -> tuple:
         """Positional arguments of torch.ops.flashattn_ext.attention_backward."""
         return (self.dout, self.q, self.k, self.v, out, lse, self.resolved_scale(), self.causal,
                 self.window[0], self.window[1], self.softcap, self.alibi_slopes, 0.0, None,
-                deterministic, *self.sequence_args)
+                deterministic, *self._trailing_op_args())
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,8 @@ class AttentionCase:
     # None, "nheads" (shape (nheads,)) or "batch_nheads" (shape (batch, nheads)).
     alibi: Optional[str] = None
     softmax_scale: Optional[float] = None
+    # A learnable_sink (fp32, (nheads,)).
+    sink: bool = False
     # "contiguous"; "mixed_strides": q a slice of a packed qkv tensor, k stored
     # head-major, v stored seqlen-major, dout stored head-major (every tensor a
     # different layout, so a kernel reading one tensor with another's strides
@@ -133,7 +159,8 @@ class AttentionCase:
         elif self.alibi == "batch_nheads":
             alibi_slopes = (torch.rand(b, h, generator=gen) * 0.5 + 0.05).to(device)
         return AttentionInputs(q, k, v, dout, self.softmax_scale, self.causal, self.window,
-                               self.softcap, alibi_slopes)
+                               self.softcap, alibi_slopes,
+                               learnable_sink=make_sink(self.sink, h, gen, device, requires_grad))
 
 
 CASES = [
@@ -177,6 +204,16 @@ CASES = [
                   window=(40, -1), softcap=3.0, alibi="batch_nheads", softmax_scale=0.3,
                   tags=("opcheck", "compile")),
     AttentionCase("mixed_strides", batch=2, seqlen_q=45, seqlen_k=45, nheads=4, nheads_kv=2,
+                  layout="mixed_strides", tags=("opcheck", "compile")),
+    # Learnable sinks: alone, and with every other modifier; rows 0..19 of the causal case
+    # see no key and get out 0, lse = sink.
+    AttentionCase("sink", batch=2, seqlen_q=17, seqlen_k=17, sink=True, tags=("opcheck", "compile")),
+    AttentionCase("sink_causal_q_gt_k", batch=1, seqlen_q=40, seqlen_k=20, nheads=2, causal=True, sink=True,
+                  tags=("opcheck",)),
+    AttentionCase("sink_window_gqa_two_blocks", batch=1, seqlen_q=CPU_BLOCK + 9, seqlen_k=CPU_BLOCK + 20,
+                  nheads=4, nheads_kv=2, window=(30, 10), sink=True),
+    AttentionCase("sink_all_features", batch=1, seqlen_q=70, seqlen_k=61, nheads=4, nheads_kv=2, causal=True,
+                  window=(40, -1), softcap=3.0, alibi="batch_nheads", softmax_scale=0.3, sink=True,
                   layout="mixed_strides", tags=("opcheck", "compile")),
     AttentionCase("mixed_strides_causal", batch=1, seqlen_q=130, seqlen_k=70, nheads=2, nheads_kv=1,
                   head_dim=64, causal=True, layout="mixed_strides"),
@@ -256,6 +293,7 @@ class VarlenCase:
     seqused_k: Optional[Tuple[int, ...]] = None
     dense_q: bool = False
     dense_k: bool = False
+    sink: bool = False
     tags: Tuple[str, ...] = field(default=())
 
     def __post_init__(self):
@@ -276,8 +314,9 @@ class VarlenCase:
 
     @property
     def cuda_features(self) -> bool:
-        """Whether the CUDA kernels implement every feature of the case (not softcap, ALiBi)."""
-        return self.softcap == 0.0 and self.alibi is None
+        """Whether the CUDA kernels implement every feature of the case (not softcap, ALiBi,
+        sinks)."""
+        return self.softcap == 0.0 and self.alibi is None and not self.sink
 
     def used_lengths(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         """The rows of each sequence that count: seqused where given, else all."""
@@ -318,7 +357,7 @@ class VarlenCase:
                          None if self.seqused_k is None else int32(self.seqused_k),
                          max_seqlen(self.seqlens_q, self.dense_q), max_seqlen(self.seqlens_k, self.dense_k))
         return AttentionInputs(q, k, v, dout, self.softmax_scale, self.causal, self.window, self.softcap,
-                               alibi_slopes, sequence_args)
+                               alibi_slopes, sequence_args, make_sink(self.sink, h, gen, device, requires_grad))
 
 
 # Lengths include 0 and 1, one past the CPU block (129, 130, 140), queries without keys
@@ -347,6 +386,8 @@ VARLEN_CASES = [
     VarlenCase("dense_seqused", seqlens_q=(19, 19), seqlens_k=(21, 21), seqused_q=(19, 4), seqused_k=(0, 9),
                dense_q=True, dense_k=True, tags=("opcheck",)),
     VarlenCase("head_dim_20_padded", seqlens_q=(3, 17), seqlens_k=(3, 17), head_dim=20, causal=True),
+    VarlenCase("sink_causal_seqused_gqa", seqlens_q=(9, 0, 30, 6), seqlens_k=(4, 3, 140, 0), nheads=4,
+               nheads_kv=2, causal=True, seqused_q=(9, 0, 25, 6), sink=True, tags=("opcheck",)),
 ]
 
 VARLEN_CASES_BY_NAME = {case.name: case for case in VARLEN_CASES}

@@ -14,7 +14,7 @@ import flashattn_ext
 from flashattn_ext import checks
 from flashattn_ext import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
-from reference import (BASELINE_DTYPES, GRADIENTS, assert_error_rule, attention_reference,
+from reference import (BASELINE_DTYPES, GRADIENTS, SINK_GRADIENT, assert_error_rule, attention_reference,
                        attention_reference_with_grads, max_abs_error, tolerance)
 from sample_inputs import CASES, CASES_BY_NAME, DTYPES, EMPTY_CASES, AttentionCase
 
@@ -22,12 +22,11 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
 def run_flash_attn(inputs, **extra):
-    """(out, lse, dq, dk, dv) of flash_attn_func, gradients of <out, dout>."""
+    """(out, lse, dq, dk, dv[, dsink]) of flash_attn_func, gradients of <out, dout>."""
     out, lse, probs = flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True,
                                       **inputs.func_kwargs(), **extra)
     assert probs is None
-    dq, dk, dv = torch.autograd.grad(out, (inputs.q, inputs.k, inputs.v), inputs.dout)
-    return out, lse, dq, dk, dv
+    return (out, lse, *torch.autograd.grad(out, inputs.differentiable(), inputs.dout))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -35,8 +34,9 @@ def run_flash_attn(inputs, **extra):
 def test_matches_reference(case, dtype):
     inputs = case.make(dtype, requires_grad=True)
     actual = run_flash_attn(inputs)
-    for name, tensor, source in zip(NAMES, actual, (inputs.q, inputs.q, inputs.q, inputs.k, inputs.v)):
-        expected_dtype = checks.lse_dtype(dtype) if name == "lse" else dtype
+    names = NAMES + ((SINK_GRADIENT,) if case.sink else ())
+    for name, tensor in zip(names, actual):
+        expected_dtype = {"lse": checks.lse_dtype(dtype), SINK_GRADIENT: torch.float32}.get(name, dtype)
         assert tensor.dtype == expected_dtype, f"{name} dtype"
         assert torch.isfinite(tensor).all() or name == "lse", f"{name} has non-finite values"
     assert not torch.isnan(actual[1]).any(), "lse has NaN"
@@ -47,7 +47,7 @@ def test_matches_reference(case, dtype):
     if dtype in BASELINE_DTYPES:
         low_precision = attention_reference_with_grads(inputs.q, inputs.k, inputs.v, inputs.dout,
                                                        compute_dtype=dtype, **kwargs)
-    assert_error_rule(NAMES, actual, reference, low_precision, dtype, context=case.name)
+    assert_error_rule(names, actual, reference, low_precision, dtype, context=case.name)
 
 
 @pytest.mark.parametrize("case", [
@@ -89,9 +89,10 @@ def test_empty_inputs(case):
         args = [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs.forward_op_args()]
         out_op, lse_op = torch.ops.flashattn_ext.attention_forward(*args)
         assert torch.equal(out_op, out) and torch.equal(lse_op, lse)
-        dq_op, dk_op, dv_op = torch.ops.flashattn_ext.attention_backward(
+        dq_op, dk_op, dv_op, dsink_op = torch.ops.flashattn_ext.attention_backward(
             inputs.dout, *args[:3], out_op, lse_op, *args[3:], False)
         assert torch.equal(dq_op, dq) and torch.equal(dk_op, dk) and torch.equal(dv_op, dv)
+        assert dsink_op.shape == (inputs.q.size(0), 0) and dsink_op.dtype == torch.float32
 
 
 def test_fully_masked_rows_are_zero_with_infinite_lse():
@@ -105,14 +106,14 @@ def test_fully_masked_rows_are_zero_with_infinite_lse():
     assert torch.equal(dq[:, :blind_rows], torch.zeros_like(dq[:, :blind_rows]))
 
 
-@pytest.mark.parametrize("case_name", ["basic", "all_features", "mixed_strides"])
+@pytest.mark.parametrize("case_name", ["basic", "all_features", "mixed_strides", "sink_all_features"])
 def test_op_autograd_matches_flash_attn_func(case_name):
     """The op's own autograd formula (ops.py, register_autograd) gives the same
     results as flash_attn_func's autograd.Function."""
     inputs = CASES_BY_NAME[case_name].make(torch.float32, requires_grad=True)
     out, lse = torch.ops.flashattn_ext.attention_forward(*inputs.forward_op_args())
     assert not lse.requires_grad, "lse must not be differentiable"
-    grads = torch.autograd.grad(out, (inputs.q, inputs.k, inputs.v), inputs.dout)
+    grads = torch.autograd.grad(out, inputs.differentiable(), inputs.dout)
     expected = run_flash_attn(inputs)
     for name, a, e in zip(NAMES, (out, lse, *grads), expected):
         assert torch.equal(a, e), name
@@ -236,9 +237,10 @@ def test_dropout_rng_state_comes_from_torch_generator():
 
 def test_signatures_match_flash_attn():
     # flash-attn 2.x: flash_attn_interface.py
+    # learnable_sink: FA4's, keyword only after them.
     common = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
               ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
-              ("deterministic", False), ("return_attn_probs", False)]
+              ("deterministic", False), ("return_attn_probs", False), ("learnable_sink", None)]
     expected = {
         flash_attn_func: ["q", "k", "v"],
         flash_attn_qkvpacked_func: ["qkv"],
@@ -249,6 +251,7 @@ def test_signatures_match_flash_attn():
         assert list(params) == tensors + [name for name, _ in common], func.__name__
         for name, default in common:
             assert params[name].default == default, (func.__name__, name)
+        assert params["learnable_sink"].kind is inspect.Parameter.KEYWORD_ONLY, func.__name__
 
 
 def test_public_api():

@@ -100,8 +100,8 @@ CHECK_SCRIPT = textwrap.dedent(r"""
         out_r.backward(dout)
         args = [t.to(device, dtype) for t in (q, k, v)]
         out, lse = ops.attention_forward(*args, scale, causal, -1, -1, 0.0, None, 0.0, None)
-        dq, dk, dv = ops.attention_backward(dout.to(device, dtype), *args, out, lse, scale, causal,
-                                            -1, -1, 0.0, None, 0.0, None, False)
+        dq, dk, dv, _ = ops.attention_backward(dout.to(device, dtype), *args, out, lse, scale, causal,
+                                               -1, -1, 0.0, None, 0.0, None, False)
         errors = {name: (got.double().cpu() - want).abs().max().item()
                   for name, got, want in (("out", out, out_r), ("lse", lse, lse_r.detach()),
                                           ("dq", dq, q_r.grad), ("dk", dk, k_r.grad),

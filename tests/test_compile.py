@@ -43,18 +43,19 @@ def make_step(case):
     tensors as arguments (a closed-over tensor would be a guarded constant)."""
     kwargs = case.make(torch.float32).func_kwargs()
     kwargs.pop("alibi_slopes")
+    kwargs.pop("learnable_sink")
 
-    def step(q, k, v, alibi_slopes):
+    def step(q, k, v, alibi_slopes, learnable_sink):
         out, lse, _ = flash_attn_func(q, k, v, alibi_slopes=alibi_slopes, return_attn_probs=True,
-                                      **kwargs)
+                                      learnable_sink=learnable_sink, **kwargs)
         return out * 2.0, lse
 
     return step
 
 
 def run_step(step, inputs):
-    out, lse = step(inputs.q, inputs.k, inputs.v, inputs.alibi_slopes)
-    grads = torch.autograd.grad(out, (inputs.q, inputs.k, inputs.v), inputs.dout)
+    out, lse = step(inputs.q, inputs.k, inputs.v, inputs.alibi_slopes, inputs.learnable_sink)
+    grads = torch.autograd.grad(out, inputs.differentiable(), inputs.dout)
     return (out, lse, *grads)
 
 
@@ -70,7 +71,7 @@ def test_compile_fullgraph_without_recompiles(case):
             inputs = case.make(torch.float32, requires_grad=True, seed=seed)
             actual = run_step(compiled, inputs)
             expected = run_step(step, inputs)
-            for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), actual, expected):
+            for name, a, e in zip(("out", "lse", "dq", "dk", "dv", "dsink"), actual, expected):
                 torch.testing.assert_close(a, e, rtol=0, atol=0, msg=f"{case.name} {name}")
     assert counter.frame_count == 1
     (forward_graph,) = recorder.forward_graphs

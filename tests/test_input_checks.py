@@ -104,8 +104,6 @@ PYTHON_CHECKS = [
      r"q nheads \(dim 2\) must be a multiple of k nheads \(dim 2\): got 3 and 2"),
     ("dropout_negative", with_kwargs(dropout_p=-0.1), RuntimeError, r"dropout_p must be in \[0, 1\), got -0.1"),
     ("dropout_one", with_kwargs(dropout_p=1.0), RuntimeError, r"dropout_p must be in \[0, 1\), got 1$"),
-    ("dropout_not_implemented", with_kwargs(dropout_p=0.1), NotImplementedError,
-     r"dropout_p > 0 is not implemented on CPU yet \(got dropout_p=0.1\)"),
     ("softmax_scale_inf", with_kwargs(softmax_scale=math.inf), RuntimeError,
      r"softmax_scale must be finite, got inf"),
     ("softmax_scale_nan", with_kwargs(softmax_scale=math.nan), RuntimeError,
@@ -127,6 +125,16 @@ PYTHON_CHECKS = [
      r"alibi_slopes must be on the same device as q: got meta, expected cpu"),
     ("alibi_last_dim_stride", with_kwargs(alibi_slopes=torch.ones(1, 4)[:, ::2]), RuntimeError,
      r"alibi_slopes must be contiguous in its last dimension: got stride 2, expected 1"),
+    ("sink_not_a_tensor", with_kwargs(learnable_sink=[0.0, 0.0]), TypeError,
+     r"learnable_sink must be a torch.Tensor, got list"),
+    ("sink_shape", with_kwargs(learnable_sink=torch.zeros(1, 2)), RuntimeError,
+     r"learnable_sink must have shape \(nheads,\) = \(2,\), got \[1, 2\]"),
+    ("sink_dtype", with_kwargs(learnable_sink=torch.zeros(2, dtype=torch.bfloat16)), RuntimeError,
+     r"learnable_sink must be float32, got torch.bfloat16"),
+    ("sink_device", with_kwargs(learnable_sink=torch.zeros(2, device="meta")), RuntimeError,
+     r"learnable_sink must be on the same device as q: got meta, expected cpu"),
+    ("sink_stride", with_kwargs(learnable_sink=torch.zeros(4)[::2]), RuntimeError,
+     r"learnable_sink must be contiguous: got stride 2, expected 1"),
     ("qkv_rank", lambda: flash_attn_qkvpacked_func(torch.randn(1, 4, 3, 16)), RuntimeError,
      r"qkv must have 5 dimensions \(batch, seqlen, 3, nheads, head_dim\), got 4 dimensions"),
     ("qkv_not_three", lambda: flash_attn_qkvpacked_func(torch.randn(1, 4, 2, 2, 16)), RuntimeError,
@@ -178,12 +186,13 @@ def test_flash_attn_func_device_index_mismatch():
 # The ops: the CPU kernels and the Meta kernels, one copy of the checks.
 
 
-def op_forward(transform=lambda q, k, v: (q, k, v), make=qkv, **overrides):
+def op_forward(transform=lambda q, k, v: (q, k, v), make=qkv, learnable_sink=None, **overrides):
     def call(device):
         q, k, v = transform(*make(device=device))
         # Tensor arguments are given as functions of the device, so they follow q.
         resolved = {name: value(device) if callable(value) else value for name, value in overrides.items()}
-        return forward_op(*forward_args(q, k, v, **resolved))
+        sink = learnable_sink(device) if learnable_sink is not None else None
+        return forward_op(*forward_args(q, k, v, **resolved), learnable_sink=sink)
     return call
 
 
@@ -234,6 +243,12 @@ OP_CHECKS = [
      r"alibi_slopes must have shape \(nheads,\) = \(2,\) or \(batch, nheads\) = \(1, 2\), got \[1, 3\]"),
     ("alibi_dtype", op_forward(alibi_slopes=lambda device: torch.ones(2, dtype=torch.float16, device=device)), RuntimeError,
      r"alibi_slopes must be float32, got Half"),
+    ("sink_shape", op_forward(learnable_sink=lambda device: torch.zeros(3, device=device)), RuntimeError,
+     r"learnable_sink must have shape \(nheads,\) = \(2,\), got \[3\]"),
+    ("sink_dtype", op_forward(learnable_sink=lambda device: torch.zeros(2, dtype=torch.float64, device=device)),
+     RuntimeError, r"learnable_sink must be float32, got Double"),
+    ("sink_stride", op_forward(learnable_sink=lambda device: torch.zeros(4, device=device)[::2]), RuntimeError,
+     r"learnable_sink must be contiguous: got stride 2, expected 1"),
     ("backward_dout_shape", op_backward(replace(dout=lambda t: t[:, :3])), RuntimeError,
      r"dout must have the shape of q: got \[1, 3, 2, 16\], expected \[1, 4, 2, 16\]"),
     ("backward_out_shape", op_backward(replace(out=lambda t: t[..., :8])), RuntimeError,
@@ -260,18 +275,17 @@ def test_op_checks(call, exception, pattern, device):
     assert str(info.value).startswith("flashattn_ext: ") or "\nflashattn_ext: " in str(info.value)
 
 
-def test_op_dropout_not_implemented_on_cpu():
+def test_op_requires_rng_state_for_dropout():
     q, k, v = qkv()
-    rng_state = torch.tensor([1, 0], dtype=torch.int64)
-    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 is not implemented on CPU yet"):
-        forward_op(*forward_args(q, k, v, dropout_p=0.2, rng_state=rng_state))
+    with pytest.raises(RuntimeError, match=r"rng_state \(int64 \[seed, offset\]\) is required when dropout_p > 0"):
+        forward_op(*forward_args(q, k, v, dropout_p=0.2))
 
 
-def test_op_backward_dropout_not_implemented_on_cpu():
+def test_sink_device_mismatch_op():
+    # A meta sink routes the call to the Meta kernel, whose checks name the mismatch.
     q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 is not implemented on CPU yet"):
-        backward_op(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(1, 2, 4), 0.25, False,
-                    -1, -1, 0.0, None, 0.2, torch.tensor([1, 0]), False)
+    with pytest.raises(RuntimeError, match=r"learnable_sink must be on the same device as q: got meta, expected cpu"):
+        forward_op(*forward_args(q, k, v), learnable_sink=torch.zeros(2, device="meta"))
 
 
 def test_meta_kernel_requires_rng_state_for_dropout():

@@ -139,14 +139,20 @@ def test_training_steps_match_sdpa():
     torch.testing.assert_close(losses[NAME], losses["sdpa"], atol=1e-4, rtol=1e-5)
 
 
-def test_attention_dropout_in_training_raises_and_eval_runs():
+def test_attention_dropout_applies_in_training_only():
     _, ours = model_pair(llama_config(attention_dropout=0.1))
     ids, mask = padded_batch("right")
+
+    def logits(seed):
+        torch.manual_seed(seed)
+        return ours(input_ids=ids, attention_mask=mask).logits
+
     with torch.no_grad():
-        ours(input_ids=ids, attention_mask=mask)   # eval mode: transformers passes dropout 0
+        evaluated = logits(0)   # eval mode: transformers passes dropout 0
         ours.train()
-        with pytest.raises(NotImplementedError, match="dropout"):
-            ours(input_ids=ids, attention_mask=mask)
+        trained = logits(0)
+    assert not torch.equal(trained, evaluated)
+    assert torch.equal(trained, logits(0)), "torch.manual_seed reproduces the dropout masks"
 
 
 def test_dense_4d_mask_is_refused():

@@ -10,7 +10,8 @@ Every case of sample_inputs.VARLEN_CASES, forward and backward, is checked
       reference.py (2x the low-precision PyTorch error for out and lse, 3x for
       the gradients).
 The rows past seqused, and those of sequences without keys, must be out 0,
-lse +inf and zero gradients in both. On CUDA the outputs come from an allocator
+lse +inf (lse = sink with a learnable_sink) and zero gradients in both; the sink's
+gradient is the sum of the sequences' own. On CUDA the outputs come from an allocator
 pool poisoned with NaN, so a row no kernel writes shows up.
 """
 
@@ -27,10 +28,16 @@ import flashattn_ext
 from flashattn_ext import (flash_attn_func, flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                            flash_attn_varlen_qkvpacked_func)
 
-from reference import BASELINE_DTYPES, assert_error_rule, attention_reference_with_grads
+from reference import BASELINE_DTYPES, SINK_GRADIENT, assert_error_rule, attention_reference_with_grads
 from sample_inputs import VARLEN_CASES, VARLEN_CASES_BY_NAME, VarlenCase
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def names_of(inputs):
+    """NAMES, and dsink for a call with a learnable_sink."""
+    return NAMES + ((SINK_GRADIENT,) if inputs.learnable_sink is not None else ())
+
 CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 CUDA_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -39,7 +46,7 @@ backward_op = torch.ops.flashattn_ext.attention_backward
 
 
 def run_varlen(case: VarlenCase, inputs):
-    """(out, lse, dq, dk, dv), gradients of <out, dout>: through flash_attn_varlen_func
+    """(out, lse, dq, dk, dv[, dsink]), gradients of <out, dout>: through flash_attn_varlen_func
     when both sides are variable-length, else through the op (its autograd formula)."""
     cu_q, cu_k, used_q, used_k, max_q, max_k = inputs.sequence_args
     if not (case.dense_q or case.dense_k):
@@ -49,7 +56,7 @@ def run_varlen(case: VarlenCase, inputs):
         assert probs is None
     else:
         out, lse = forward_op(*inputs.forward_op_args())
-    grads = torch.autograd.grad(out, (inputs.q, inputs.k, inputs.v), inputs.dout)
+    grads = torch.autograd.grad(out, inputs.differentiable(), inputs.dout)
     return (out, lse, *grads)
 
 
@@ -71,9 +78,9 @@ def rows_view(t, dense: bool, b: int, start: int, length: int, lse: bool = False
 
 
 def per_sequence(case: VarlenCase, inputs, attention, dtype):
-    """(out, lse, dq, dk, dv) in the case's layout, each sequence computed alone by
-    attention(q, k, v, dout, alibi_slopes) on its used rows (a batch of 1); the rows past
-    seqused stay out 0, lse +inf, gradients 0."""
+    """(out, lse, dq, dk, dv[, dsink]) in the case's layout, each sequence computed alone
+    by attention(q, k, v, dout, alibi_slopes) on its used rows (a batch of 1); the rows
+    past seqused stay out 0, lse +inf, gradients 0; dsink sums the sequences' own."""
     q, k, v, dout = (t.detach() for t in (inputs.q, inputs.k, inputs.v, inputs.dout))
     lse_shape = ((q.size(0), q.size(2), q.size(1)) if case.dense_q else (q.size(1), q.size(0)))
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -81,6 +88,9 @@ def per_sequence(case: VarlenCase, inputs, attention, dtype):
                torch.full(lse_shape, float("inf"), dtype=lse_dtype, device=q.device),
                torch.zeros_like(q, dtype=dtype), torch.zeros_like(k, dtype=dtype),
                torch.zeros_like(v, dtype=dtype)]
+    if inputs.learnable_sink is not None:
+        # Summed in fp32 at least: the kernel's dsink is fp32 for every dtype.
+        results.append(torch.zeros_like(inputs.learnable_sink, dtype=torch.promote_types(dtype, torch.float32)))
     for b, ((start_q, len_q), (start_k, len_k)) in enumerate(sequence_rows(case)):
         q_rows = lambda t, lse=False: rows_view(t, case.dense_q, b, start_q, len_q, lse)  # noqa: E731
         k_rows = lambda t: rows_view(t, case.dense_k, b, start_k, len_k)  # noqa: E731
@@ -91,6 +101,8 @@ def per_sequence(case: VarlenCase, inputs, attention, dtype):
         for result, value, view in zip(results, sequence, (q_rows, lambda t: q_rows(t, True),
                                                            q_rows, k_rows, k_rows)):
             view(result).copy_(value)
+        if inputs.learnable_sink is not None:
+            results[-1] += sequence[-1]
     return results
 
 
@@ -108,7 +120,8 @@ def dense_flash_attention(inputs):
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         kwargs = {**inputs.func_kwargs(), "alibi_slopes": alibi_slopes}
         out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
-        return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+        sink = () if inputs.learnable_sink is None else (inputs.learnable_sink,)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v, *sink), dout))
     return attention
 
 
@@ -123,15 +136,16 @@ def check_case(case: VarlenCase, dtype, device):
         assert tensor.dtype == (lse_dtype if name == "lse" else dtype), name
         assert not torch.isnan(tensor).any(), f"{case.name}: {name} has NaN (a row left unwritten?)"
 
+    names = names_of(inputs)
     dense = per_sequence(case, inputs, dense_flash_attention(inputs), dtype)
-    for name, a, e in zip(NAMES, actual, dense):
-        torch.testing.assert_close(a, e, msg=f"{case.name}: {name} vs flash_attn_func per sequence")
+    for name, a, e in zip(names, actual, dense):
+        torch.testing.assert_close(a, e.to(a.dtype), msg=f"{case.name}: {name} vs flash_attn_func per sequence")
 
     reference = per_sequence(case, inputs, reference_attention(inputs, torch.float64), torch.float64)
     low_precision = None
     if dtype in BASELINE_DTYPES:
         low_precision = per_sequence(case, inputs, reference_attention(inputs, dtype), dtype)
-    assert_error_rule(NAMES, actual, reference, low_precision, dtype, context=case.name)
+    assert_error_rule(names, actual, reference, low_precision, dtype, context=case.name)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -244,18 +258,22 @@ def test_vmap_refuses_varlen():
 
 
 def test_signatures_match_flash_attn():
-    # flash-attn 2.x: flash_attn_interface.py; seqused_q/k as FA3 (keyword only here).
+    # flash-attn 2.x: flash_attn_interface.py; seqused_q/k as FA3 and learnable_sink as FA4
+    # (keyword only here).
     common = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
               "deterministic", "return_attn_probs"]
     expected = {
         flash_attn_varlen_func: ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-                                 "max_seqlen_k", *common, "block_table", "seqused_q", "seqused_k"],
-        flash_attn_varlen_qkvpacked_func: ["qkv", "cu_seqlens", "max_seqlen", *common],
+                                 "max_seqlen_k", *common, "block_table", "seqused_q", "seqused_k",
+                                 "learnable_sink"],
+        flash_attn_varlen_qkvpacked_func: ["qkv", "cu_seqlens", "max_seqlen", *common, "learnable_sink"],
         flash_attn_varlen_kvpacked_func: ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-                                          "max_seqlen_k", *common],
+                                          "max_seqlen_k", *common, "learnable_sink"],
     }
     for func, names in expected.items():
-        assert list(inspect.signature(func).parameters) == names, func.__name__
+        params = inspect.signature(func).parameters
+        assert list(params) == names, func.__name__
+        assert params["learnable_sink"].kind is inspect.Parameter.KEYWORD_ONLY, func.__name__
         assert hasattr(flashattn_ext, func.__name__) and func.__name__ in flashattn_ext.__all__
 
 

@@ -26,6 +26,13 @@
 // problem of batch 1 on views of the tensors (make_parts), with the tasks of all
 // sequences in one pool.
 //
+// Dropout multiplies each block of probabilities by its mask scaled by 1 / (1 - p)
+// just before P V (forward) and regenerates the same block in the backward: the mask is
+// a function of the element's (batch entry, head, row, column) and rng_state
+// (csrc/common/philox.h), so it does not depend on the blocks or the threads. A learnable sink
+// starts each row's online softmax at max = sink, sum = 1; its gradient comes from the
+// backward's per-row lse and D = rowsum(dout * out) (sink_gradient).
+//
 // Precision: fp32, bf16 and fp16 compute in fp32, fp64 in fp64, and lse has the
 // accumulator's dtype, so the backward recomputes P from the lse it is given
 // (ring attention hands it a merged one) at full precision. dk and dv, long
@@ -58,6 +65,7 @@
 
 #include "attention_api.h"
 #include "attention_ops.h"
+#include "common/philox.h"
 
 // at::parallel_for is a header template: with an OpenMP ATen it only runs in
 // parallel when this file itself is compiled with OpenMP, and runs serially
@@ -77,14 +85,16 @@ namespace {
 // the working set and fewer tasks to spread over the threads on short sequences.
 constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 128;
+// A dropout draw covers four columns (csrc/common/philox.h); key blocks start on a whole draw.
+static_assert(kBlockK % 4 == 0, "key blocks must start at a multiple of 4 columns");
 
 bool cpu_dtype_supported(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
          dtype == at::kHalf;
 }
 
-constexpr BackendFeatures kCpuBackend{"CPU", /*softcap=*/true, /*alibi=*/true, /*dropout=*/false,
-                                      cpu_dtype_supported};
+constexpr BackendFeatures kCpuBackend{"CPU", /*softcap=*/true, /*alibi=*/true, /*dropout=*/true,
+                                      /*learnable_sink=*/true, cpu_dtype_supported};
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -100,13 +110,18 @@ struct Problem {
   // d score / d(qk_scale * q.k) apart from the cap's tanh derivative: ln 2, or
   // softcap with the cap. dk, accumulated against the scaled q, is scaled by it.
   acc_t dk_scale;
-  const float* alibi_slopes;  // nullptr: off
+  // The call's batch index of this problem's entry 0: a sequence run alone (make_parts)
+  // reads its own row of per-batch ALiBi slopes and draws its own dropout mask.
+  int64_t first_batch_entry;
+  const float* alibi_slopes;  // nullptr: off; else the slopes of entry first_batch_entry
   int64_t alibi_batch_stride;
+  const float* learnable_sink;  // nullptr: off; (nheads_q,) natural-log logits
+  std::optional<DropoutGenerator> dropout;
+  acc_t dropout_scale;  // 1 / (1 - dropout_p): the scale of a kept probability
   at::TensorOptions acc_options;
 
-  // alibi_slopes: the call's, or the one row of a sequence run alone (see make_parts).
   Problem(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts,
-          const std::optional<at::Tensor>& alibi_slopes)
+          int64_t first_batch_entry, const std::optional<DropoutGenerator>& dropout)
       : batch(q.size(0)),
         nheads_q(q.size(2)),
         nheads_kv(k.size(2)),
@@ -117,10 +132,18 @@ struct Problem {
                                                      : opts.softmax_scale * M_LOG2E)),
         tanh_scale(static_cast<acc_t>(opts.softcap * M_LOG2E)),
         dk_scale(static_cast<acc_t>(opts.softcap > 0 ? opts.softcap : M_LN2)),
-        alibi_slopes(alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr),
-        alibi_batch_stride(alibi_slopes && alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0),
+        first_batch_entry(first_batch_entry),
+        alibi_slopes(nullptr),
+        alibi_batch_stride(0),
+        learnable_sink(opts.learnable_sink ? opts.learnable_sink->data_ptr<float>() : nullptr),
+        dropout(dropout),
+        dropout_scale(static_cast<acc_t>(1.0 / (1.0 - opts.dropout_p))),
         acc_options(q.options().dtype(c10::CppTypeToScalarType<acc_t>::value)) {
     std::tie(window_left, window_right) = effective_window(opts, seqlen_q, seqlen_k);
+    if (opts.alibi_slopes) {
+      alibi_batch_stride = opts.alibi_slopes->dim() == 2 ? opts.alibi_slopes->stride(0) : 0;
+      alibi_slopes = opts.alibi_slopes->data_ptr<float>() + first_batch_entry * alibi_batch_stride;
+    }
   }
 
   int64_t group_size() const { return nheads_q / nheads_kv; }
@@ -156,7 +179,33 @@ struct Problem {
     return alibi_slopes ? static_cast<acc_t>(alibi_slopes[b * alibi_batch_stride + h] * M_LOG2E)
                         : acc_t(0);
   }
+
+  // Head h's sink logit in log2 units; -inf (a term exp2(-inf) = 0) without a sink.
+  acc_t sink_log2(int64_t h) const {
+    return learnable_sink ? static_cast<acc_t>(learnable_sink[h] * M_LOG2E)
+                          : -std::numeric_limits<acc_t>::infinity();
+  }
 };
+
+// Into keep_scale (rows, cols): dropout_scale where the mask keeps element
+// (i0 + r, j0 + c) of head h of batch entry b, 0 where it drops it.
+template <typename acc_t>
+void dropout_keep_scales(const Problem<acc_t>& pb, int64_t b, int64_t h, int64_t i0, int64_t j0,
+                         at::Tensor& keep_scale) {
+  const DropoutGenerator& generator = *pb.dropout;
+  const auto batch_head = static_cast<uint32_t>((pb.first_batch_entry + b) * pb.nheads_q + h);
+  const int64_t rows = keep_scale.size(0), cols = keep_scale.size(1);
+  acc_t* const data = keep_scale.data_ptr<acc_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    acc_t* const row = data + r * cols;
+    for (int64_t c0 = 0; c0 < cols; c0 += 4) {
+      const PhiloxWords words = generator.column_quad_words(
+          batch_head, static_cast<uint32_t>(i0 + r), static_cast<uint64_t>((j0 + c0) / 4));
+      for (int64_t c = c0; c < std::min(c0 + 4, cols); ++c)
+        row[c] = generator.keeps(words.w[c - c0]) ? pb.dropout_scale : acc_t(0);
+    }
+  }
+}
 
 // Rows [first, first + count) of one head of one batch entry: a (count, head_dim)
 // view with the tensor's own row stride.
@@ -243,11 +292,13 @@ class OnlineSoftmax {
   explicit OnlineSoftmax(const at::TensorOptions& acc_options)
       : storage_(at::empty({kNumVectors, kBlockQ}, acc_options)) {}
 
-  void reset(int64_t rows) {
+  // sink_log2: the rows' sink logit, a first term exp2(sink - max) = 1 with max = sink
+  // (-inf: no sink, an empty row).
+  void reset(int64_t rows, acc_t sink_log2) {
     rows_ = rows;
     const auto row_vector = [&](int64_t index) { return storage_[index].narrow(0, 0, rows); };
-    max_ = row_vector(0).fill_(-std::numeric_limits<acc_t>::infinity());
-    sum_ = row_vector(1).zero_();
+    max_ = row_vector(0).fill_(sink_log2);
+    sum_ = row_vector(1).fill_(sink_log2 == -std::numeric_limits<acc_t>::infinity() ? 0 : 1);
     block_max_ = row_vector(2);
     block_sum_ = row_vector(3);
     shift_ = row_vector(4);
@@ -279,15 +330,15 @@ class OnlineSoftmax {
 
   const at::Tensor& rescale() const { return rescale_; }
 
-  // log2 of the sum of exp2(scores) of row r; +inf when the row saw no key.
+  // log2 of the sum of exp2(scores) of row r; +inf when the row saw no key and no sink.
   acc_t lse_log2(int64_t r) const {
     const acc_t sum = sum_.data_ptr<acc_t>()[r];
     return sum > 0 ? max_.data_ptr<acc_t>()[r] + std::log2(sum)
                    : std::numeric_limits<acc_t>::infinity();
   }
 
-  // Into `out` (rows,): 1 / row sum, and 0 for rows that saw no key (their
-  // accumulator is 0 and must stay 0).
+  // Into `out` (rows,): 1 / row sum, and 0 for rows that saw no key and no sink
+  // (their accumulator is 0 and must stay 0).
   void inverse_sums(at::Tensor& out) const {
     const acc_t* const sum = sum_.data_ptr<acc_t>();
     acc_t* const inverse = out.data_ptr<acc_t>();
@@ -399,11 +450,21 @@ at::Tensor sequence_view(const at::Tensor& t, bool varlen, int64_t b, const Sequ
   return (varlen ? t.unsqueeze(0) : t.narrow(0, b, 1)).narrow(row_dim, rows.start, rows.length);
 }
 
+// The call's dropout: rng_state [seed, offset] read once (a CPU tensor: no synchronisation).
+std::optional<DropoutGenerator> dropout_generator(const AttentionOptions& opts) {
+  if (opts.dropout_p == 0.0) return std::nullopt;
+  const at::Tensor state = opts.rng_state->to(at::kCPU).contiguous();
+  const int64_t* seed_offset = state.data_ptr<int64_t>();
+  return DropoutGenerator{static_cast<uint64_t>(seed_offset[0]), static_cast<uint64_t>(seed_offset[1]),
+                          dropout_threshold(opts.dropout_p)};
+}
+
 template <typename acc_t>
 std::vector<Part<acc_t>> make_parts(const CallTensors& t, const AttentionOptions& opts) {
   const SequenceLayout& layout = opts.layout;
+  const std::optional<DropoutGenerator> dropout = dropout_generator(opts);
   if (!layout.varlen_q() && !layout.varlen_k() && !layout.seqused_q && !layout.seqused_k)
-    return {Part<acc_t>{Problem<acc_t>(t.q, t.k, opts, opts.alibi_slopes), t}};
+    return {Part<acc_t>{Problem<acc_t>(t.q, t.k, opts, 0, dropout), t}};
 
   const ProblemSizes sizes = problem_sizes(t.q, t.k, opts);
   const std::vector<SequenceRows> q_rows =
@@ -421,9 +482,7 @@ std::vector<Part<acc_t>> make_parts(const CallTensors& t, const AttentionOptions
     };
     CallTensors sequence{q_side(t.q),    k_side(t.k),  k_side(t.v),  q_side(t.out), q_side(t.lse, 2),
                          q_side(t.dout), q_side(t.dq), k_side(t.dk), k_side(t.dv)};
-    std::optional<at::Tensor> alibi_slopes = opts.alibi_slopes;
-    if (alibi_slopes && alibi_slopes->dim() == 2) alibi_slopes = alibi_slopes->narrow(0, b, 1);
-    parts.push_back(Part<acc_t>{Problem<acc_t>(sequence.q, sequence.k, opts, alibi_slopes),
+    parts.push_back(Part<acc_t>{Problem<acc_t>(sequence.q, sequence.k, opts, b, dropout),
                                 std::move(sequence)});
   }
   // Longest sequences first, so that their tasks start first and short ones fill the tail.
@@ -466,6 +525,7 @@ void forward_pass(const std::vector<Part<acc_t>>& parts) {
     const at::Tensor v_scratch = at::empty({kBlockK * d}, opts);
     const at::Tensor acc_scratch = at::empty({kBlockQ * d}, opts);
     const at::Tensor scores_scratch = at::empty({kBlockQ * kBlockK}, opts);
+    const at::Tensor keep_scale_scratch = at::empty({kBlockQ * kBlockK}, opts);
     at::Tensor inverse_sums = at::empty({kBlockQ}, opts);
     OnlineSoftmax<acc_t> softmax(opts);
 
@@ -478,7 +538,7 @@ void forward_pass(const std::vector<Part<acc_t>>& parts) {
       at::Tensor q_scaled = block_of(q_scratch, t.rows, d);
       q_scaled.copy_(head_rows(q, t.b, t.h, t.i0, t.rows)).mul_(pb.qk_scale);
       at::Tensor acc = block_of(acc_scratch, t.rows, d).zero_();
-      softmax.reset(t.rows);
+      softmax.reset(t.rows, pb.sink_log2(t.h));
 
       for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
         const at::Tensor k_rows = in_acc_dtype(head_rows(k, t.b, kv_head, j0, cols), k_scratch);
@@ -486,6 +546,12 @@ void forward_pass(const std::vector<Part<acc_t>>& parts) {
         at::Tensor scores = block_of(scores_scratch, t.rows, cols);
         compute_scores(pb, q_scaled, k_rows, t.b, t.h, t.i0, j0, scores, nullptr);
         softmax.step(scores);
+        // The row sums above are those of the undropped probabilities, as flash-attn's.
+        if (pb.dropout) {
+          at::Tensor keep_scale = block_of(keep_scale_scratch, t.rows, cols);
+          dropout_keep_scales(pb, t.b, t.h, t.i0, j0, keep_scale);
+          scores.mul_(keep_scale);
+        }
         acc.mul_(softmax.rescale().unsqueeze(1)).addmm_(scores, v_rows);
       });
 
@@ -529,7 +595,7 @@ void add_to_fp64(const at::Tensor& wide, const at::Tensor& part) {
 
 // Per-thread scratch of the backward passes.
 struct BackwardScratch {
-  at::Tensor q, k, v, dout, acc, scores, tanh_scores, dprobs;
+  at::Tensor q, k, v, dout, acc, scores, tanh_scores, dprobs, keep_scale, dropped_probs;
 
   BackwardScratch(const at::TensorOptions& opts, int64_t d)
       : q(at::empty({kBlockQ * d}, opts)),
@@ -539,7 +605,9 @@ struct BackwardScratch {
         acc(at::empty({std::max(kBlockQ, kBlockK) * d}, opts)),
         scores(at::empty({kBlockQ * kBlockK}, opts)),
         tanh_scores(at::empty({kBlockQ * kBlockK}, opts)),
-        dprobs(at::empty({kBlockQ * kBlockK}, opts)) {}
+        dprobs(at::empty({kBlockQ * kBlockK}, opts)),
+        keep_scale(at::empty({kBlockQ * kBlockK}, opts)),
+        dropped_probs(at::empty({kBlockQ * kBlockK}, opts)) {}
 };
 
 // Backward pass 1: per (batch, head, query block), the row terms D and lse that
@@ -578,6 +646,11 @@ void dq_pass(const std::vector<Part<acc_t>>& parts, double softmax_scale) {
         probabilities_from_scores(probs, block_lse_log2);
         at::Tensor dprobs = block_of(scratch.dprobs, t.rows, cols);
         at::mm_out(dprobs, dout_rows, v_rows.t());
+        if (pb.dropout) {
+          at::Tensor keep_scale = block_of(scratch.keep_scale, t.rows, cols);
+          dropout_keep_scales(pb, t.b, t.h, t.i0, j0, keep_scale);
+          dprobs.mul_(keep_scale);
+        }
         score_gradient(pb, dprobs, probs, delta, tanh_scores);
         dq_acc.addmm_(dprobs, k_rows);
       });
@@ -634,9 +707,18 @@ void dkdv_pass(const std::vector<Part<acc_t>>& parts) {
           at::Tensor tanh_scores = block_of(scratch.tanh_scores, rows, cols);
           compute_scores(pb, q_scaled, k_rows, b, h, i0, j0, probs, &tanh_scores);
           probabilities_from_scores(probs, part->row_lse_log2[b][h].narrow(0, i0, rows));
-          add_to_fp64<acc_t>(dv_acc, at::mm_out(block_product, probs.t(), dout_rows));
           at::Tensor dprobs = block_of(scratch.dprobs, rows, cols);
           at::mm_out(dprobs, dout_rows, v_rows.t());
+          // dv takes the probabilities P V took (dropped); the softmax derivative the undropped ones.
+          at::Tensor output_probs = probs;
+          if (pb.dropout) {
+            at::Tensor keep_scale = block_of(scratch.keep_scale, rows, cols);
+            dropout_keep_scales(pb, b, h, i0, j0, keep_scale);
+            dprobs.mul_(keep_scale);
+            at::Tensor dropped = block_of(scratch.dropped_probs, rows, cols);
+            output_probs = at::mul_out(dropped, probs, keep_scale);
+          }
+          add_to_fp64<acc_t>(dv_acc, at::mm_out(block_product, output_probs.t(), dout_rows));
           score_gradient(pb, dprobs, probs, part->row_delta[b][h].narrow(0, i0, rows), tanh_scores);
           add_to_fp64<acc_t>(dk_acc, at::mm_out(block_product, dprobs.t(), q_scaled));
         });
@@ -647,12 +729,28 @@ void dkdv_pass(const std::vector<Part<acc_t>>& parts) {
   });
 }
 
+// dsink[b, h] = -sum_i exp(sink_h - lse_i) D_i over the rows i of head h of batch entry b:
+// the sink's probability times the gradient with respect to its logit, dP_sink - D = -D
+// (it adds no value to out). Summed in fp64 from the rows' lse and D that dq_pass left.
+template <typename acc_t>
+void sink_gradient(const std::vector<Part<acc_t>>& parts, const at::Tensor& learnable_sink,
+                   at::Tensor& dsink) {
+  for (const Part<acc_t>& part : parts) {
+    const Problem<acc_t>& pb = part.pb;
+    const at::Tensor sink_log2 = learnable_sink.to(pb.acc_options.dtype()).mul(M_LOG2E).view({1, -1, 1});
+    const at::Tensor sink_probs = (sink_log2 - part.row_lse_log2).exp2_();
+    dsink.narrow(0, pb.first_batch_entry, pb.batch)
+        .copy_(at::sum(sink_probs.mul_(part.row_delta), {2}, false, at::kDouble).neg_());
+  }
+}
+
 AttentionOptions make_options(double softmax_scale, bool causal, int64_t window_left,
                               int64_t window_right, double softcap,
                               const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                              const std::optional<at::Tensor>& rng_state, SequenceLayout layout) {
-  return AttentionOptions{softmax_scale, causal,       window_left, window_right,      softcap,
-                          alibi_slopes,  dropout_p,    rng_state,   std::move(layout)};
+                              const std::optional<at::Tensor>& rng_state, SequenceLayout layout,
+                              const std::optional<at::Tensor>& learnable_sink) {
+  return AttentionOptions{softmax_scale, causal,    window_left, window_right,      softcap,
+                          alibi_slopes,  dropout_p, rng_state,   std::move(layout), learnable_sink};
 }
 
 }  // namespace
@@ -660,12 +758,12 @@ AttentionOptions make_options(double softmax_scale, bool causal, int64_t window_
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS) {
   const AttentionOptions opts =
       make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                   dropout_p, rng_state, SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES});
+                   dropout_p, rng_state, SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, learnable_sink);
   check_forward_inputs(q, k, v, opts, kCpuBackend);
   // make_parts reads the sequence tensors as they are: their values must be sound.
   check_sequence_values(q, k, opts);
   auto [out, lse] = allocate_forward_outputs(q, opts);
-  if (is_empty_problem(q, k)) {
+  if (is_empty_problem(q, k, opts)) {
     out.zero_();
     lse.fill_(std::numeric_limits<float>::infinity());
     return {out, lse};
@@ -679,20 +777,20 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS)
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
+BackwardGradients attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
   // Both passes are deterministic whatever `deterministic` says.
   static_cast<void>(deterministic);
   const AttentionOptions opts =
       make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                   dropout_p, rng_state, SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES});
+                   dropout_p, rng_state, SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, learnable_sink);
   check_backward_inputs(dout, q, k, v, out, lse, opts, kCpuBackend);
   check_sequence_values(q, k, opts);
-  auto [dq, dk, dv] = allocate_backward_outputs(q, k, v, opts);
-  if (is_empty_problem(q, k)) {
+  auto [dq, dk, dv, dsink] = allocate_backward_outputs(q, k, v, opts);
+  if (is_empty_problem(q, k, opts)) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    return {dq, dk, dv, dsink};
   }
   const CallTensors tensors{q, k, v, out, lse, dout, dq, dk, dv};
   const auto run = [&](auto parts) {
@@ -703,13 +801,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(FLASHATTN_
     }
     dq_pass(parts, softmax_scale);
     dkdv_pass(parts);
+    if (learnable_sink) sink_gradient(parts, *learnable_sink, dsink);
   };
   if (q.scalar_type() == at::kDouble) {
     run(make_parts<double>(tensors, opts));
   } else {
     run(make_parts<float>(tensors, opts));
   }
-  return {dq, dk, dv};
+  return {dq, dk, dv, dsink};
 }
 
 }  // namespace flashattn

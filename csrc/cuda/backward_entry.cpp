@@ -58,23 +58,23 @@ struct BackwardLauncher {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(FLASHATTN_BACKWARD_ARGS) {
+BackwardGradients attention_backward_cuda(FLASHATTN_BACKWARD_ARGS) {
   const AttentionOptions opts{softmax_scale, causal,       window_left, window_right,
                               softcap,       alibi_slopes, dropout_p,   rng_state,
-                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}};
+                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, learnable_sink};
   check_backward_inputs(dout, q, k, v, out, lse, opts, cuda_features());
   check_cuda_device(q);
   const c10::cuda::CUDAGuard device_guard(q.device());
 
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
     check_sequence_values(q, k, opts);
-  auto [dq, dk, dv] = allocate_backward_outputs(q, k, v, opts);
-  if (is_empty_problem(q, k)) {
+  auto [dq, dk, dv, dsink] = allocate_backward_outputs(q, k, v, opts);
+  if (is_empty_problem(q, k, opts)) {
     // No query, or no key: every gradient is an empty sum.
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    return {dq, dk, dv, dsink};
   }
 
   // Named, so that any copies outlive the kernels that read them.
@@ -91,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(FLASHATTN
   if (!dispatch_head_dim_tile(params.head_dim, launcher, &status))
     fail_head_dim_not_compiled(params.head_dim);
   check_cuda_status(status, "the backward kernel launch");
-  return {dq, dk, dv};
+  return {dq, dk, dv, dsink};
 }
 
 }  // namespace flashattn

@@ -15,7 +15,8 @@ bool cuda_dtype_supported(at::ScalarType t) { return t == at::kHalf || t == at::
 
 const BackendFeatures& cuda_features() {
   static const BackendFeatures features{"CUDA", /*softcap=*/false, /*alibi=*/false,
-                                        /*dropout=*/false, &cuda_dtype_supported};
+                                        /*dropout=*/false, /*learnable_sink=*/false,
+                                        &cuda_dtype_supported};
   return features;
 }
 

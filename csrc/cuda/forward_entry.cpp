@@ -31,7 +31,7 @@ struct ForwardLauncher {
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS) {
   const AttentionOptions opts{softmax_scale, causal,  window_left, window_right,
                               softcap,       alibi_slopes, dropout_p, rng_state,
-                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}};
+                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, learnable_sink};
   check_forward_inputs(q, k, v, opts, cuda_features());
   check_cuda_device(q);
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -39,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
     check_sequence_values(q, k, opts);
   auto [out, lse] = allocate_forward_outputs(q, opts);
-  if (is_empty_problem(q, k)) {
+  if (is_empty_problem(q, k, opts)) {
     out.zero_();
     lse.fill_(std::numeric_limits<float>::infinity());
     return {out, lse};

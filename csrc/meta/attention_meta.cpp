@@ -18,21 +18,21 @@ bool any_kernel_dtype(at::ScalarType t) {
 
 // Which features a device supports is known to its own backend only; tracing allows them all.
 constexpr BackendFeatures kMetaBackend{"Meta", /*softcap=*/true, /*alibi=*/true, /*dropout=*/true,
-                                       any_kernel_dtype};
+                                       /*learnable_sink=*/true, any_kernel_dtype};
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_meta(FLASHATTN_FORWARD_ARGS) {
   const AttentionOptions opts{softmax_scale, causal,       window_left, window_right,
                               softcap,       alibi_slopes, dropout_p,   rng_state,
-                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}};
+                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, learnable_sink};
   (void)deterministic;
   check_forward_inputs(q, k, v, opts, kMetaBackend);
   return allocate_forward_outputs(q, opts);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(FLASHATTN_BACKWARD_ARGS) {
+BackwardGradients attention_backward_meta(FLASHATTN_BACKWARD_ARGS) {
   const AttentionOptions opts{softmax_scale, causal,       window_left, window_right,
                               softcap,       alibi_slopes, dropout_p,   rng_state,
-                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}};
+                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, learnable_sink};
   (void)deterministic;
   check_backward_inputs(dout, q, k, v, out, lse, opts, kMetaBackend);
   return allocate_backward_outputs(q, k, v, opts);

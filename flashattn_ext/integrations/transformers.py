@@ -25,8 +25,8 @@ flash_attention_2 path (the semantics models written for it rely on):
   attended separately, in one ``flash_attn_varlen_func`` call;
 * ``sliding_window`` (a window of that many keys including the query's own, as
   transformers defines it) becomes ``window_size``, ``softcap`` is passed through,
-  ``dropout`` too: dropout > 0 (a model in training mode with attention dropout)
-  raises NotImplementedError, because no backend implements dropout yet.
+  ``dropout`` too: dropout > 0 (a model in training mode with attention dropout) runs
+  on the CPU and raises NotImplementedError on CUDA, whose kernels lack dropout yet.
 
 Mask patterns this cannot express are refused rather than ignored: a 4-D mask, a
 model's extra mask functions (e.g. bidirectional image tokens, block overlays),

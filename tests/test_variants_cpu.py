@@ -1,0 +1,277 @@
+"""Dropout and learnable sinks on the CPU backend (issue 14), beyond the shared cases
+of sample_inputs.py (whose sink cases test_attention_cpu, test_varlen, opcheck and
+compile run against the fp64 reference).
+
+Dropout is checked through the mask the output reveals: with v[j] = e_j (head_dim >=
+seqlen_k), out[i, j] = P[i, j] * mask[i, j] / (1 - p), so out != 0 is the mask. The
+same seed with random v must then match the fp64 reference run with that mask, forward
+and backward, which holds only if the backward regenerates the forward's mask."""
+
+import dataclasses
+import math
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import flashattn_ext
+from flashattn_ext import flash_attn_func, flash_attn_varlen_func
+
+from conftest import REPO_ROOT
+from reference import (BASELINE_DTYPES, SINK_GRADIENT, assert_error_rule, attention_reference_with_grads,
+                       visibility_mask)
+from sample_inputs import CASES_BY_NAME, AttentionCase, VarlenCase
+
+forward_op = torch.ops.flashattn_ext.attention_forward
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def names_of(inputs):
+    return NAMES + ((SINK_GRADIENT,) if inputs.learnable_sink is not None else ())
+
+
+def identity_values(v: torch.Tensor, key_positions=None) -> torch.Tensor:
+    """v's shape with v[..., j, :, :] = e_j, j the key's position in its sequence
+    (key_positions, default: its row): out then holds each query's weight of key j in column j."""
+    if key_positions is None:
+        key_positions = torch.arange(v.size(-3))
+    assert v.size(-1) > key_positions.max(), "the mask is read from out's first seqlen_k columns"
+    rows = torch.nn.functional.one_hot(key_positions, v.size(-1)).to(v.dtype).unsqueeze(-2)
+    return rows.expand(v.shape).contiguous()
+
+
+def attention_with_seed(seed, q, k, v, **kwargs):
+    """flash_attn_func with torch's generator seeded: the same seed, the same mask."""
+    torch.manual_seed(seed)
+    return flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+
+
+def revealed_mask(seed, inputs, dropout_p):
+    """(batch, nheads, seqlen_q, seqlen_k) bool: the mask of the call seeded with `seed`."""
+    with torch.no_grad():
+        out, _, _ = attention_with_seed(seed, inputs.q, inputs.k, identity_values(inputs.v),
+                                        dropout_p=dropout_p, **inputs.func_kwargs())
+    return (out[..., :inputs.k.size(1)] != 0).permute(0, 2, 1, 3)
+
+
+DROPOUT_CASES = [
+    AttentionCase("dropout", batch=2, seqlen_q=33, seqlen_k=40, nheads=2, head_dim=40),
+    # Two key blocks and two query blocks of the CPU kernel; GQA.
+    AttentionCase("dropout_causal_gqa_blocks", batch=1, seqlen_q=140, seqlen_k=136, nheads=4, nheads_kv=2,
+                  head_dim=136, causal=True),
+    AttentionCase("dropout_window", batch=1, seqlen_q=50, seqlen_k=64, head_dim=64, window=(10, 3)),
+    # Every modifier at once: softcap, ALiBi, sink, causal, window, GQA.
+    AttentionCase("dropout_all_features", batch=2, seqlen_q=60, seqlen_k=48, nheads=4, nheads_kv=2,
+                  head_dim=48, causal=True, window=(20, -1), softcap=2.0, alibi="batch_nheads",
+                  softmax_scale=0.3, sink=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=str)
+def test_dropout_matches_reference_with_the_revealed_mask(case, dtype):
+    dropout_p, seed = 0.25, 7
+    inputs = case.make(dtype, requires_grad=True)
+    mask = revealed_mask(seed, inputs, dropout_p)
+    out, lse, _ = attention_with_seed(seed, inputs.q, inputs.k, inputs.v, dropout_p=dropout_p,
+                                      **inputs.func_kwargs())
+    actual = (out, lse, *torch.autograd.grad(out, inputs.differentiable(), inputs.dout))
+
+    kwargs = dict(inputs.reference_kwargs(), dropout_mask=mask, dropout_p=dropout_p)
+    reference = attention_reference_with_grads(inputs.q, inputs.k, inputs.v, inputs.dout, **kwargs)
+    low_precision = None
+    if dtype in BASELINE_DTYPES:
+        low_precision = attention_reference_with_grads(inputs.q, inputs.k, inputs.v, inputs.dout,
+                                                       compute_dtype=dtype, **kwargs)
+    assert_error_rule(names_of(inputs), actual, reference, low_precision, dtype, context=case.name)
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+def test_dropout_keeps_one_minus_p(dropout_p):
+    """The kept fraction of the visible probabilities is within 5 sigma of 1 - p."""
+    case = AttentionCase("fraction", batch=1, seqlen_q=256, seqlen_k=200, nheads=4, head_dim=200, causal=True)
+    inputs = case.make(torch.float32)
+    mask = revealed_mask(3, inputs, dropout_p)
+    visible = visibility_mask(case.seqlen_q, case.seqlen_k, True, (-1, -1))
+    trials = visible.sum().item() * case.batch * case.nheads
+    kept = (mask & visible).sum().item()
+    assert not (mask & ~visible).any()
+    sigma = math.sqrt(dropout_p * (1 - dropout_p) / trials)
+    assert abs(kept / trials - (1 - dropout_p)) <= 5 * sigma, (kept / trials, 1 - dropout_p, sigma)
+
+
+def gradients_with_seed(seed, inputs, **kwargs):
+    out, lse, _ = attention_with_seed(seed, inputs.q, inputs.k, inputs.v, **inputs.func_kwargs(), **kwargs)
+    return (out, lse, *torch.autograd.grad(out, inputs.differentiable(), inputs.dout))
+
+
+def test_dropout_is_reproducible_and_fresh_per_call():
+    inputs = DROPOUT_CASES[-1].make(torch.float32, requires_grad=True)
+    first = gradients_with_seed(11, inputs, dropout_p=0.3)
+    again = gradients_with_seed(11, inputs, dropout_p=0.3)
+    for name, a, b in zip(names_of(inputs), first, again):
+        assert torch.equal(a, b), f"{name}: the same seed must give the same bits"
+    # Without reseeding, the next call draws a new seed: another mask.
+    next_out = flash_attn_func(inputs.q, inputs.k, inputs.v, dropout_p=0.3, **inputs.func_kwargs())
+    assert not torch.equal(next_out, again[0])
+    # lse is that of the undropped probabilities: the same as without dropout.
+    _, lse, _ = flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True, **inputs.func_kwargs())
+    assert torch.equal(lse, first[1])
+
+
+def test_dropout_mask_does_not_depend_on_the_thread_count():
+    inputs = DROPOUT_CASES[1].make(torch.float32, requires_grad=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = revealed_mask(5, inputs, 0.4)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(revealed_mask(5, inputs, 0.4), one_thread)
+
+
+def test_dropout_varlen_draws_each_sequence_by_its_position():
+    """flash_attn_varlen_func: the mask revealed per sequence, and each sequence against the
+    reference with its own part of it (rows and columns within the sequence)."""
+    case = VarlenCase("dropout_varlen", seqlens_q=(20, 0, 35), seqlens_k=(25, 3, 40), nheads=2, head_dim=40,
+                      causal=True, sink=True)
+    dropout_p, seed = 0.3, 2
+    inputs = case.make(torch.float64, requires_grad=True)
+    cu_q, cu_k, _, _, max_q, max_k = inputs.sequence_args
+
+    def run(v):
+        torch.manual_seed(seed)
+        return flash_attn_varlen_func(inputs.q, inputs.k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p,
+                                      return_attn_probs=True, **inputs.func_kwargs())
+
+    key_starts = cu_k[:-1].repeat_interleave(cu_k.diff())
+    out_identity = run(identity_values(inputs.v.detach(), torch.arange(inputs.v.size(0)) - key_starts))[0]
+    out, lse, _ = run(inputs.v)
+    grads = torch.autograd.grad(out, inputs.differentiable(), inputs.dout)
+    dsink_sum = torch.zeros_like(inputs.learnable_sink, dtype=torch.float64)
+    for b in range(case.batch):
+        rows_q = slice(cu_q[b].item(), cu_q[b + 1].item())
+        rows_k = slice(cu_k[b].item(), cu_k[b + 1].item())
+        seqlen_k = rows_k.stop - rows_k.start
+        mask = (out_identity[rows_q, :, :seqlen_k] != 0).permute(1, 0, 2)[None]
+        sequence = [t[rows][None].detach() for t, rows in ((inputs.q, rows_q), (inputs.k, rows_k),
+                                                           (inputs.v, rows_k), (inputs.dout, rows_q))]
+        reference = attention_reference_with_grads(*sequence, **inputs.reference_kwargs(), dropout_mask=mask,
+                                                   dropout_p=dropout_p)
+        actual = (out[rows_q][None], lse[:, rows_q][None], grads[0][rows_q][None], grads[1][rows_k][None],
+                  grads[2][rows_k][None])
+        assert_error_rule(NAMES, actual, reference[:5], None, torch.float64, context=f"sequence {b}")
+        dsink_sum += reference[5]
+    assert_error_rule((SINK_GRADIENT,), grads[3:], (dsink_sum,), None, torch.float64)
+
+
+def test_sink_rows_without_keys_get_zero_out_and_lse_sink():
+    inputs = CASES_BY_NAME["sink_causal_q_gt_k"].make(torch.float32, requires_grad=True)
+    out, lse, _ = flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True, **inputs.func_kwargs())
+    dq, dsink = torch.autograd.grad(out, (inputs.q, inputs.learnable_sink), inputs.dout)
+    blind = inputs.q.size(1) - inputs.k.size(1)
+    assert torch.equal(out[:, :blind], torch.zeros_like(out[:, :blind]))
+    torch.testing.assert_close(lse[:, :, :blind], inputs.learnable_sink.detach()[None, :, None].expand(1, -1, blind))
+    assert torch.equal(dq[:, :blind], torch.zeros_like(dq[:, :blind]))
+    assert torch.isfinite(dsink).all()
+
+
+def test_sink_without_any_key():
+    """No key at all: every row is the sink alone (lse = sink, out 0, zero gradients)."""
+    case = dataclasses.replace(CASES_BY_NAME["sink"], seqlen_k=0)
+    inputs = case.make(torch.float32, requires_grad=True)
+    out, lse, _ = flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True, **inputs.func_kwargs())
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(lse, inputs.learnable_sink.detach()[None, :, None].expand_as(lse))
+    for grad in torch.autograd.grad(out, inputs.differentiable(), inputs.dout):
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_sink_gradcheck():
+    case = AttentionCase("gc_sink", batch=1, seqlen_q=5, seqlen_k=4, nheads=2, head_dim=8, causal=True,
+                         window=(2, -1), softcap=1.5, alibi="nheads")
+    inputs = case.make(torch.float64, requires_grad=True)
+    kwargs = inputs.func_kwargs()
+    del kwargs["learnable_sink"]
+
+    def attention(q, k, v, sink):
+        # The sink is fp32 (the op's requirement): gradcheck perturbs an fp64 copy by
+        # steps large against its rounding.
+        return flash_attn_func(q, k, v, learnable_sink=sink.float(), **kwargs)
+
+    sink = torch.tensor([0.3, -0.5], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(attention, (inputs.q, inputs.k, inputs.v, sink), eps=1e-3, atol=1e-4,
+                                    rtol=1e-3)
+
+
+def test_vmap_with_an_unbatched_sink_gives_per_entry_sink_gradients():
+    """The ops' vmap rules fold the vmapped dimension into the batch; dsink, per batch
+    entry, unfolds into one gradient per vmapped entry."""
+    inputs = CASES_BY_NAME["sink"].make(torch.float32)
+    args = inputs.forward_op_args()
+    queries, douts = torch.stack([inputs.q, 2 * inputs.q]), torch.stack([inputs.dout, -inputs.dout])
+
+    def forward_backward(q, dout):
+        out, lse = forward_op(q, *args[1:])
+        return torch.ops.flashattn_ext.attention_backward(dout, q, *args[1:3], out, lse, *args[3:])
+
+    per_entry = torch.vmap(forward_backward)(queries, douts)
+    expected = [torch.stack(grads) for grads in zip(*map(forward_backward, queries, douts))]
+    for name, a, e in zip(("dq", "dk", "dv", SINK_GRADIENT), per_entry, expected):
+        torch.testing.assert_close(a, e, msg=name)
+
+
+def test_vmap_refuses_a_batched_sink():
+    inputs = CASES_BY_NAME["sink"].make(torch.float32)
+    sinks = torch.zeros(3, inputs.q.size(2))
+    with pytest.raises(RuntimeError, match=r"learnable_sink cannot be vmapped over"):
+        torch.vmap(lambda s: flash_attn_func(inputs.q, inputs.k, inputs.v, learnable_sink=s))(sinks)
+
+
+def test_opcheck_dropout():
+    inputs = DROPOUT_CASES[-1].make(torch.float32, requires_grad=True)
+    args = list(inputs.forward_op_args())
+    args[9:11] = [0.2, torch.tensor([1234, 0], dtype=torch.int64)]  # dropout_p, rng_state
+    torch.library.opcheck(forward_op.default, tuple(args))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
+def test_philox_known_answers(tmp_path):
+    """csrc/common/philox.h against Random123's known-answer vectors of philox4x32_10."""
+    source = tmp_path / "philox_kat.cpp"
+    source.write_text("""
+        #include <cstdio>
+        #include "common/philox.h"
+        int main() {
+          using flashattn::PhiloxWords;
+          const PhiloxWords counters[3] = {{{0, 0, 0, 0}}, {{~0u, ~0u, ~0u, ~0u}},
+                                           {{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}}};
+          const unsigned keys[3][2] = {{0, 0}, {~0u, ~0u}, {0xa4093822u, 0x299f31d0u}};
+          for (int i = 0; i < 3; ++i) {
+            const PhiloxWords r = flashattn::philox4x32_10(counters[i], keys[i][0], keys[i][1]);
+            std::printf("%08x %08x %08x %08x\\n", r.w[0], r.w[1], r.w[2], r.w[3]);
+          }
+        }
+    """)
+    binary = tmp_path / "philox_kat"
+    subprocess.run(["c++", "-std=c++17", f"-I{REPO_ROOT / 'csrc'}", str(source), "-o", str(binary)], check=True)
+    assert subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.split("\n")[:3] == [
+        "6627e8d5 e169c58d bc57ac4c 9b00dbd8",
+        "408f276d 41c83b0e a20bc7c6 6d5451fd",
+        "d16cfe09 94fdcceb 5001e420 24126ea1",
+    ]
+
+
+requires_cuda_kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() and flashattn_ext.ops.HAS_CUDA_KERNELS),
+    reason="needs a CUDA device and a build with the CUDA kernels")
+
+
+@requires_cuda_kernels
+def test_cuda_refuses_dropout_and_sinks_by_name():
+    q, k, v = (torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 is not implemented on CUDA yet"):
+        flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match=r"learnable_sink is not implemented on CUDA yet"):
+        flash_attn_func(q, k, v, learnable_sink=torch.zeros(2, device="cuda"))
