@@ -114,6 +114,9 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     in ops.py, and whose C++ checks see every argument) on the operands in its layout."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         checks.check_is_tensor(t, name)
+    for t, name in ((alibi_slopes, "alibi_slopes"), (learnable_sink, "learnable_sink")):
+        if t is not None:
+            checks.check_is_tensor(t, name)
     window_left, window_right = checks.check_window_size(window_size)
     head_dim = q.size(-1) if q.dim() > 0 else 0
     softmax_scale = _softmax_scale(softmax_scale, head_dim)

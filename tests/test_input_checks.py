@@ -130,7 +130,7 @@ PYTHON_CHECKS = [
     ("sink_shape", with_kwargs(learnable_sink=torch.zeros(1, 2)), RuntimeError,
      r"learnable_sink must have shape \(nheads,\) = \(2,\), got \[1, 2\]"),
     ("sink_dtype", with_kwargs(learnable_sink=torch.zeros(2, dtype=torch.bfloat16)), RuntimeError,
-     r"learnable_sink must be float32, got torch.bfloat16"),
+     r"learnable_sink must be float32, got BFloat16"),
     ("sink_device", with_kwargs(learnable_sink=torch.zeros(2, device="meta")), RuntimeError,
      r"learnable_sink must be on the same device as q: got meta, expected cpu"),
     ("sink_stride", with_kwargs(learnable_sink=torch.zeros(4)[::2]), RuntimeError,
