@@ -134,9 +134,10 @@ def _load_and_check(library, want_cuda):
 
 
 def _macros(header: pathlib.Path) -> dict:
+    """name (with its parameters, for a function-like macro) -> value, or None."""
     macros = {}
     for line in header.read_text().splitlines():
-        m = re.match(r"#define (\w+)(?: (.*))?$", line)
+        m = re.match(r"#define (\w+(?:\(\w*\))?)(?: (.*))?$", line)
         if m:
             macros[m.group(1)] = m.group(2)
     return macros
@@ -173,10 +174,13 @@ def test_cmake_cuda_library(cuda_build):
         "FLASHATTN_BUILD_CUDA_VERSION": f'"{cuda_version}"',
         "FLASHATTN_BUILD_CUDA_ARCHS": '"80;90a+PTX"',
         "FLASHATTN_BUILD_HEAD_DIM_TILES": '"64"',
-        "FLASHATTN_TILE_64": None,
+        "FLASHATTN_FOR_EACH_TILE(X)": "X(64)",
         "FLASHATTN_BUILD_SM90A": None,
     }
     assert "64" in _read_tiles()
+    generated = sorted(p.relative_to(cuda_build.directory / "generated").as_posix()
+                       for p in (cuda_build.directory / "generated").rglob("*.cu"))
+    assert generated == ["cuda/instantiations/bwd_hdim64.cu", "cuda/instantiations/fwd_hdim64.cu"]
     report = _load_and_check(cuda_build.library, want_cuda=True)
     assert report["cpu_kernels"] == [True, True], report
     assert report["cuda_kernels"] == [True, True], report

@@ -1,10 +1,12 @@
 """The compiler's resource report for the shipped CUDA kernels (issue: "no register
-spills in the shipped configurations"): every instantiation file compiles for
+spills in the shipped configurations"): every instantiation file (generated from
+csrc/SOURCES.txt by setup.py's write_tile_sources, as the build does) compiles for
 sm_80 and sm_90a with no spill stores or loads, and the Hopper kernels with no
 wgmma serialisation (ptxas C7514/C7515: a pattern that makes ptxas wait for each
 wgmma, which once cost the forward its overlap silently). Needs nvcc, not a GPU."""
 
 import concurrent.futures
+import importlib.util
 import os
 import pathlib
 import re
@@ -24,8 +26,14 @@ def _nvcc():
     return shutil.which("nvcc")
 
 
-def _instantiation_files():
-    return sorted((CSRC / "cuda" / "instantiations").glob("*.cu"))
+def _write_instantiation_files(out_dir):
+    """Every (kind, tile width) translation unit of SOURCES.txt, written into out_dir
+    by setup.py's own generator."""
+    spec = importlib.util.spec_from_file_location("flashattn_ext_setup", REPO_ROOT / "setup.py")
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)
+    groups = setup_py.read_sources()
+    return [pathlib.Path(p) for p in setup_py.write_tile_sources(groups["cuda_tile"], groups["tiles"], out_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +58,7 @@ def resource_reports(tmp_path_factory):
         return source.name, run.returncode, run.stdout
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        return list(pool.map(compile_one, _instantiation_files()))
+        return list(pool.map(compile_one, _write_instantiation_files(generated)))
 
 
 def test_instantiations_compile_without_spills(resource_reports):

@@ -107,7 +107,7 @@ else
         /^\[[0-9]+\/[0-9]+\] / {
             src = ""
             for (i = NF; i > 1; i--) if ($i ~ /\.(cu|cpp)$/) { src = $i; break }
-            sub(".*/csrc/", "csrc/", src)
+            sub(".*/csrc/", "csrc/", src); sub(".*/build/generated/", "generated/", src)
             print "setup_env:   " $1 " " (src == "" ? "link" : src); fflush()
         }'
     status=${PIPESTATUS[0]}

@@ -80,31 +80,8 @@ void check_cuda_status(cudaError_t status, const char* what) {
 
 void fail_head_dim_not_compiled(int64_t head_dim) {
   TORCH_CHECK_NOT_IMPLEMENTED(false, "flashattn_ext: head_dim ", head_dim, " needs a tile width "
-                              "this build did not compile (compiled: ", compiled_head_dim_tiles(),
+                              "this build did not compile (compiled: " FLASHATTN_BUILD_HEAD_DIM_TILES
                               "); rebuild with FLASHATTN_HEAD_DIMS unset");
-}
-
-const char* compiled_head_dim_tiles() {
-  return ""
-#ifdef FLASHATTN_TILE_32
-         "32 "
-#endif
-#ifdef FLASHATTN_TILE_64
-         "64 "
-#endif
-#ifdef FLASHATTN_TILE_96
-         "96 "
-#endif
-#ifdef FLASHATTN_TILE_128
-         "128 "
-#endif
-#ifdef FLASHATTN_TILE_192
-         "192 "
-#endif
-#ifdef FLASHATTN_TILE_256
-         "256 "
-#endif
-      ;
 }
 
 }  // namespace flashattn

@@ -1,6 +1,0 @@
-// Forward kernels for head-dim tile width 64 (bf16 and fp16).
-#include "cuda/forward_launch.cuh"
-
-namespace flashattn {
-FLASHATTN_INSTANTIATE_FORWARD(64)
-}  // namespace flashattn
