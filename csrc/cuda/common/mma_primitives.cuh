@@ -107,4 +107,15 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The A fragment of k-step kk taken from fp32 accumulators whose n-tiles 2kk, 2kk+1 hold its
+// 16 columns (the C and A layouts of m16n8k16 coincide).
+template <typename Element, int kNTiles>
+__device__ __forceinline__ void accumulator_as_a(uint32_t (&a)[4], const float (&c)[kNTiles][4],
+                                                 int kk) {
+  a[0] = MmaElement<Element>::pack(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = MmaElement<Element>::pack(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = MmaElement<Element>::pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = MmaElement<Element>::pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
 }  // namespace flashattn

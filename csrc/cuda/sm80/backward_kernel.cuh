@@ -178,17 +178,6 @@ __device__ __forceinline__ void mma_step_a_b(float (&acc)[kNTiles][4], const uin
   }
 }
 
-// The A fragment of k-step kk taken from fp32 accumulators whose n-tiles 2kk, 2kk+1 hold its
-// 16 columns (the C and A layouts of m16n8k16 coincide).
-template <typename Element, int kNTiles>
-__device__ __forceinline__ void accumulator_as_a(uint32_t (&a)[4], const float (&c)[kNTiles][4],
-                                                 int kk) {
-  a[0] = MmaElement<Element>::pack(c[2 * kk][0], c[2 * kk][1]);
-  a[1] = MmaElement<Element>::pack(c[2 * kk][2], c[2 * kk][3]);
-  a[2] = MmaElement<Element>::pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-  a[3] = MmaElement<Element>::pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-}
-
 // Writes a warp's 16 x 8·kNTiles fp32 accumulator, rounded to Element, into a padded tile at
 // (row0, col0); lane (g, t) owns rows g, g+8 and columns 2t, 2t+1 of each n-tile.
 template <typename Element, typename Tile, int kNTiles>

@@ -194,10 +194,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
         uint32_t p[kMTiles][4];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          p[mt][0] = Mma::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-          p[mt][1] = Mma::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-          p[mt][2] = Mma::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-          p[mt][3] = Mma::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+          accumulator_as_a<Element>(p[mt], acc_s[mt], kk);
         }
 #pragma unroll
         for (int dp = 0; dp < kDTiles / 2; ++dp) {

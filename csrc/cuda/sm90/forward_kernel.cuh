@@ -95,7 +95,6 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kHeadDim = Shape::kHeadDim;
   constexpr int kStages = Shape::kStages;
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
-  using Mma = MmaElement<Element>;
   const AttentionFwdParams& params = args.params;
 
   extern __shared__ unsigned char smem[];
@@ -201,10 +200,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
   #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        p[kk][0] = Mma::pack(acc_s[0][2 * kk][0], acc_s[0][2 * kk][1]);
-        p[kk][1] = Mma::pack(acc_s[0][2 * kk][2], acc_s[0][2 * kk][3]);
-        p[kk][2] = Mma::pack(acc_s[0][2 * kk + 1][0], acc_s[0][2 * kk + 1][1]);
-        p[kk][3] = Mma::pack(acc_s[0][2 * kk + 1][2], acc_s[0][2 * kk + 1][3]);
+        accumulator_as_a<Element>(p[kk], acc_s[0], kk);
       }
     };
 
