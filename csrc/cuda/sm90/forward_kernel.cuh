@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
                                 blk.lse_rows(params), warp_row, blk.valid_q_rows, params.head_dim, lane);
   }
 #else
-  __trap();  // launched only where the sm_90a image exists (forward_launch_sm90.h)
+  __trap();  // launched only where the sm_90a image exists (sm90/forward_launch.cuh)
 #endif
 }
 
