@@ -149,7 +149,7 @@ def run_point(impl, lengths, causal, args, device, dtype, gen, tcfg, reference):
                     t.requires_grad_(True)
                 graphs.append(fwd(s))
             bwd = lambda i: torch.autograd.grad(graphs[i], (sets[i].q, sets[i].k, sets[i].v),  # noqa: E731
-                                                _dout_like(sets[i], graphs[i]), retain_graph=True)
+                                                sets[i].dout, retain_graph=True)
     rows = []
     for mode in MODES:
         if mode == "fwd":
@@ -161,10 +161,6 @@ def run_point(impl, lengths, causal, args, device, dtype, gen, tcfg, reference):
         rows.append(dict(base, mode=mode, status=bc.STATUS_OK, time_ms=timing.median_ms,
                          tflops=flops[mode] / (timing.median_ms * 1e-3) / per, unit=unit))
     return rows
-
-
-def _dout_like(s, out):
-    return s.dout if out.shape == s.dout.shape else torch.ones_like(out)
 
 
 def main(argv=None):

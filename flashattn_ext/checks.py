@@ -53,11 +53,6 @@ class SequenceLayout:
     def varlen_k(self) -> bool:
         return self.cu_seqlens_k is not None
 
-    @property
-    def is_dense(self) -> bool:
-        return all(t is None for t in (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q,
-                                       self.seqused_k))
-
     def op_args(self) -> tuple:
         """The ops' trailing arguments, in schema order."""
         return (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q, self.seqused_k,
@@ -65,10 +60,6 @@ class SequenceLayout:
 
 
 DENSE = SequenceLayout()
-
-
-def _shape(t: torch.Tensor) -> list:
-    return list(t.shape)
 
 
 def check_is_tensor(t, name: str) -> None:
@@ -80,7 +71,7 @@ def check_rank(t: torch.Tensor, name: str, rank: int, layout: str) -> None:
     if t.dim() != rank:
         raise RuntimeError(
             f"flashattn_ext: {name} must have {rank} dimensions {layout}, "
-            f"got {t.dim()} dimensions with shape {_shape(t)}"
+            f"got {t.dim()} dimensions with shape {list(t.shape)}"
         )
 
 
