@@ -188,9 +188,9 @@ def test_varlen_cuda(case, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", CUDA_REFUSED_CASES, ids=str)
-def test_varlen_cuda_refuses_softcap_and_alibi(case):
+def test_varlen_cuda_refuses_missing_features(case):
     inputs = case.make(torch.bfloat16, device="cuda", requires_grad=True)
-    with pytest.raises(NotImplementedError, match=r"(softcap|alibi_slopes) is not implemented on CUDA"):
+    with pytest.raises(NotImplementedError, match=r"(softcap|alibi_slopes|learnable_sink) is not implemented on CUDA"):
         run_varlen(case, inputs)
 
 
