@@ -330,13 +330,12 @@ bool is_empty_problem(const at::Tensor& q, const at::Tensor& k, const AttentionO
   return q.numel() == 0 || ((k.size(-3) == 0 || k.size(-2) == 0) && !opts.learnable_sink.has_value());
 }
 
-namespace {
-// A variable-length tensor (total, nheads, head_dim) is one batch entry whose rows
-// every sequence indexes from its cu_seqlens offset: batch stride 0.
 TensorStrides strides_of(const at::Tensor& t) {
   if (t.dim() == 3) return TensorStrides{0, t.stride(0), t.stride(1)};
   return TensorStrides{t.stride(0), t.stride(1), t.stride(2)};
 }
+
+namespace {
 
 const int* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<int>() : nullptr;

@@ -102,6 +102,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_backward_out
 // with queries, a sink and no key is not empty: its rows get lse = sink.
 bool is_empty_problem(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts);
 
+// The (batch, row, head) strides of a (batch, seqlen, nheads, head_dim) tensor; a
+// variable-length one, (total, nheads, head_dim), is one batch entry whose rows every
+// sequence indexes from its cu_seqlens offset: batch stride 0.
+TensorStrides strides_of(const at::Tensor& t);
+
 AttentionFwdParams make_forward_params(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out,
                                        const at::Tensor& lse, const AttentionOptions& opts);

@@ -56,4 +56,19 @@ struct MaskGeometry {
   }
 };
 
+// The mask of packed-GQA tile rows (kvcache_params.h): row r is query r / group, so a
+// run of rows covers the queries from its first row's to its last row's, and every
+// question is the query mask's.
+struct PackedRowsMask {
+  MaskGeometry queries;
+  int group;
+
+  FLASHATTN_HOST_DEVICE int key_begin(int row_begin) const { return queries.key_begin(row_begin / group); }
+  FLASHATTN_HOST_DEVICE int key_end(int row_end) const { return queries.key_end((row_end - 1) / group + 1); }
+  FLASHATTN_HOST_DEVICE bool tile_fully_visible(int row_begin, int row_end, int col_begin, int col_end) const {
+    return queries.tile_fully_visible(row_begin / group, (row_end - 1) / group + 1, col_begin, col_end);
+  }
+  FLASHATTN_HOST_DEVICE bool visible(int row, int j) const { return queries.visible(row / group, j); }
+};
+
 }  // namespace flashattn

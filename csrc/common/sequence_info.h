@@ -6,6 +6,7 @@
 #pragma once
 
 #include "common/attention_params.h"
+#include "common/kvcache_params.h"
 
 namespace flashattn {
 
@@ -78,6 +79,46 @@ struct SequenceInfo {
     if (used != nullptr) len = clamp(used[b], 0, len);
     len = len < max_len ? len : max_len;
   }
+};
+
+// Batch entry b's keys in a KV cache (kvcache_params.h): its rows [leftpad, seqused) of
+// its cache row, contiguous or through its pages. Row j counts from leftpad, so the
+// mask geometry of (seqlen_q, seqlen_k) aligns causal to the end as for any sequence.
+struct CacheSequence {
+  int seqlen_k;   // rows visible to the queries
+  int leftpad;    // the first of them in the cache row
+  int cache_row;  // the cache's batch index (contiguous cache)
+  const int* pages;  // this entry's block_table row (paged cache), else nullptr
+  int page_size, pages_per_row, num_pages;
+
+  FLASHATTN_HOST_DEVICE CacheSequence(const KvcacheFwdParams& p, int b)
+      : leftpad(p.cache_leftpad != nullptr ? clamp(p.cache_leftpad[b], 0, p.seqlen_k) : 0),
+        cache_row(p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b),
+        pages(p.block_table != nullptr ? p.block_table + b * p.block_table_batch_stride : nullptr),
+        page_size(p.page_size),
+        pages_per_row(p.pages_per_row),
+        num_pages(p.num_pages) {
+    const int end = p.seqused_k != nullptr ? clamp(p.seqused_k[b], 0, p.seqlen_k) : p.seqlen_k;
+    seqlen_k = end > leftpad ? end - leftpad : 0;
+  }
+  // Element (row, head, 0) of a cache tensor, row counted from the cache row's start
+  // (not from leftpad): the prepare kernel writes new rows there.
+  template <typename T>
+  FLASHATTN_HOST_DEVICE T* cache_element(T* base, const TensorStrides& s, int head, int row) const {
+    if (pages != nullptr) {
+      const int page = clamp(pages[clamp(row / page_size, 0, pages_per_row - 1)], 0, num_pages - 1);
+      return base + int64_t(page) * s.batch + int64_t(row % page_size) * s.row + int64_t(head) * s.head;
+    }
+    return base + int64_t(cache_row) * s.batch + int64_t(row) * s.row + int64_t(head) * s.head;
+  }
+  // Key j of the sequence.
+  template <typename T>
+  FLASHATTN_HOST_DEVICE T* k_row(T* base, const TensorStrides& s, int head, int j) const {
+    return cache_element(base, s, head, leftpad + j);
+  }
+
+ private:
+  FLASHATTN_HOST_DEVICE static int clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 };
 
 }  // namespace flashattn

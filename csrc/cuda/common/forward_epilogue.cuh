@@ -4,20 +4,23 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/mma_primitives.cuh"
 
 namespace flashattn {
 
-// Epilogue: O / l and lse = (m + log2 l) * ln 2 for a warp's rows; a row that
-// saw no key gets O = 0 and lse = +inf, which makes the backward's P exactly 0 for it.
-template <typename Element, int kMTiles, int kDTiles>
+// Epilogue: O / l and lse = (m + log2 l) * ln 2 for a warp's rows. A row that saw no key
+// gets O = 0 and lse = no_key_lse: +inf for a final result, which makes the backward's P
+// exactly 0 for it; -inf for a split-KV partial, which gives it no weight in the merge.
+// Output is the element type of O (fp32 for partials).
+template <typename Output, int kMTiles, int kDTiles>
 __device__ __forceinline__ void store_forward_rows(const float (&acc_o)[kMTiles][kDTiles][4],
                                                    const float (&row_max)[kMTiles][2],
-                                                   const float (&row_sum)[kMTiles][2], Element* out_ptr,
+                                                   const float (&row_sum)[kMTiles][2], Output* out_ptr,
                                                    int64_t out_row_stride, float* lse_ptr, int warp_row,
-                                                   int valid_q_rows, int head_dim, int lane) {
-  using Mma = MmaElement<Element>;
+                                                   int valid_q_rows, int head_dim, int lane,
+                                                   float no_key_lse = INFINITY) {
   const int quad_row = lane / 4, quad_col = (lane % 4) * 2;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -28,17 +31,20 @@ __device__ __forceinline__ void store_forward_rows(const float (&acc_o)[kMTiles]
       const float inv_sum = has_keys ? 1.f / sum : 0.f;
       const int row = warp_row + mt * 16 + quad_row + h * 8;
       if (row < valid_q_rows) {
-        Element* out_row = out_ptr + int64_t(row) * out_row_stride;
+        Output* out_row = out_ptr + int64_t(row) * out_row_stride;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           const int col = dt * 8 + quad_col;
           if (col < head_dim) {
-            const uint32_t packed = Mma::pack(acc_o[mt][dt][2 * h] * inv_sum, acc_o[mt][dt][2 * h + 1] * inv_sum);
-            *reinterpret_cast<uint32_t*>(out_row + col) = packed;
+            const float o0 = acc_o[mt][dt][2 * h] * inv_sum, o1 = acc_o[mt][dt][2 * h + 1] * inv_sum;
+            if constexpr (std::is_same_v<Output, float>)
+              *reinterpret_cast<float2*>(out_row + col) = make_float2(o0, o1);
+            else
+              *reinterpret_cast<uint32_t*>(out_row + col) = MmaElement<Output>::pack(o0, o1);
           }
         }
         if (lane % 4 == 0)
-          lse_ptr[row] = has_keys ? (row_max[mt][h] + log2f(sum)) * float(M_LN2) : INFINITY;
+          lse_ptr[row] = has_keys ? (row_max[mt][h] + log2f(sum)) * float(M_LN2) : no_key_lse;
       }
     }
 }

@@ -17,10 +17,10 @@ namespace flashattn {
 // sum, and P = exp2(S - max) left in acc_s. The factor each row's O must be
 // scaled by goes to `corrections` (rescale_output applies it), so that a caller
 // can rescale O later, once a product still accumulating into it has finished.
-template <bool kMasked, int kMTiles, int kNTiles>
+template <bool kMasked, int kMTiles, int kNTiles, typename Mask>
 __device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][4], float (&row_max)[kMTiles][2],
                                                float (&row_sum)[kMTiles][2], float (&corrections)[kMTiles][2],
-                                               float scale_log2, const MaskGeometry& mask, int warp_row_begin,
+                                               float scale_log2, const Mask& mask, int warp_row_begin,
                                                int n_begin, int lane) {
   const int quad_row = lane / 4, quad_col = (lane % 4) * 2;
 #pragma unroll
@@ -89,12 +89,12 @@ __device__ __forceinline__ void rescale_output(float (&acc_o)[kMTiles][kDTiles][
 }
 
 // The whole step where O can be rescaled at once: softmax_scores, then rescale_output.
-template <bool kMasked, int kMTiles, int kNTiles, int kDTiles>
+template <bool kMasked, int kMTiles, int kNTiles, int kDTiles, typename Mask>
 __device__ __forceinline__ void softmax_update(float (&acc_s)[kMTiles][kNTiles][4],
                                                float (&acc_o)[kMTiles][kDTiles][4],
                                                float (&row_max)[kMTiles][2],
                                                float (&row_sum)[kMTiles][2], float scale_log2,
-                                               const MaskGeometry& mask, int warp_row_begin,
+                                               const Mask& mask, int warp_row_begin,
                                                int n_begin, int lane) {
   float corrections[kMTiles][2];
   softmax_scores<kMasked>(acc_s, row_max, row_sum, corrections, scale_log2, mask, warp_row_begin, n_begin, lane);

@@ -69,6 +69,25 @@ struct SmemTile {
       }
     }
   }
+  // The same for rows that are not evenly strided (a paged KV cache): row r of the tile
+  // is copied from row_pointer(r); the copies past valid_rows zero-fill and take row 0's
+  // address, so valid_rows >= 1.
+  template <int kThreads, typename RowPointer>
+  __device__ __forceinline__ static void load_rows_async(uint32_t smem_base, const RowPointer& row_pointer,
+                                                         int valid_rows, int head_dim, int thread) {
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+      const int chunk = thread + it * kThreads;
+      if (kChunks % kThreads == 0 || chunk < kChunks) {
+        const int row = chunk / kChunksPerRow;
+        const int col = (chunk % kChunksPerRow) * 8;
+        const bool in_range = row < valid_rows && col < head_dim;
+        const auto* src = row_pointer(in_range ? row : 0);
+        cp_async_16(address(smem_base, row, col), in_range ? src + col : src, in_range);
+      }
+    }
+  }
 };
 
 }  // namespace flashattn

@@ -1,0 +1,56 @@
+// One call of flash_attn_with_kvcache as the CUDA kernels see it: the attention params of
+// the packed queries against a KV cache, plus where the cache's rows are and where the
+// split-KV partial results go. Torch-free, like attention_params.h.
+#pragma once
+
+#include "common/attention_params.h"
+
+namespace flashattn {
+
+struct KvcacheFwdParams : AttentionFwdParams {
+  // The cache: k / v (and their strides) are k_cache / v_cache. Batch entry b's keys are
+  // the rows [cache_leftpad[b], seqused_k[b]) of cache row cache_batch_idx[b] (b when
+  // null), or, paged, of the pages block_table[b][.] (k / v then (num_pages, page_size,
+  // nheads_kv, head_dim): their batch stride steps one page). seqlen_k is the rows a
+  // cache row can hold, the bound every lookup is clamped to.
+  const int* block_table;  // (batch, pages_per_row) or nullptr
+  int64_t block_table_batch_stride;
+  int pages_per_row;
+  int page_size;  // rows per page, a multiple of 16
+  int num_pages;  // of k / v when paged: a block_table entry is clamped below it
+  const int* cache_batch_idx;
+  const int* cache_leftpad;
+
+  // Packed GQA: the `group` query heads of one KV head are rows of one tile, row r of KV
+  // head h being query position r / group of head h * group + r % group. q is
+  // (batch, nheads_kv, seqlen_q * group, head_dim), written so by the prepare kernel.
+  int group;
+  int packed_rows;  // seqlen_q * group
+
+  // Split-KV: split s of a tile takes the s-th of num_splits equal runs of the key
+  // blocks the tile sees; it writes O normalised by its own row sums and its lse
+  // (-inf where it saw no key), which the combine kernel merges by log-sum-exp.
+  int num_splits;
+  float* out_partial;  // (num_splits, batch, nheads_kv, packed_rows, head_dim)
+  float* lse_partial;  // (num_splits, batch, nheads_kv, packed_rows)
+};
+
+// The new rows of a call and the rotary embedding, for the prepare kernel.
+struct KvcachePrepareParams {
+  const void* q;  // (batch, seqlen_q, nheads, head_dim) with q_strides
+  TensorStrides q_strides;
+  void* q_packed;  // KvcacheFwdParams::q
+  const void* k_new;  // (batch, seqlen_new, nheads_kv, head_dim), or nullptr
+  const void* v_new;
+  TensorStrides k_new_strides, v_new_strides;
+  int seqlen_new;
+  const void* rotary_cos;  // (rotary_rows, rotary_dim / 2), or nullptr
+  const void* rotary_sin;
+  int rotary_rows;
+  int rotary_dim;
+  bool rotary_interleaved;  // pairs (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX)
+  bool rotate_q_per_position;  // causal / windowed: query i at cache_seqlens + i; else all at cache_seqlens
+  const int* cache_seqlens;  // rows already in the cache, or nullptr (then no new rows)
+};
+
+}  // namespace flashattn

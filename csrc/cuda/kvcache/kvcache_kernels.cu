@@ -1,0 +1,53 @@
+// The element-type dispatch of the prepare and combine kernels, and the split heuristic.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/common/kernel_launch.cuh"
+#include "cuda/kvcache/combine_kernel.cuh"
+#include "cuda/kvcache/kvcache_launch.h"
+#include "cuda/kvcache/prepare_kernel.cuh"
+
+namespace flashattn {
+namespace {
+
+constexpr int kRowsPerBlock = 4;  // one warp per row
+constexpr int kMaxSplits = 128;
+constexpr int kPlanBlockM = 64, kPlanBlockN = 64;  // KvcacheTilePlan's primary tile
+
+int64_t blocks_for_rows(int64_t rows) { return (rows + kRowsPerBlock - 1) / kRowsPerBlock; }
+
+}  // namespace
+
+int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows, int num_sms) {
+  const int key_blocks = std::max(1, (cache_rows + kPlanBlockN - 1) / kPlanBlockN);
+  if (requested > 0) return std::min({requested, key_blocks, kMaxSplits});
+  const int64_t tiles = int64_t(batch) * nheads_kv * ((packed_rows + kPlanBlockM - 1) / kPlanBlockM);
+  const int64_t wanted = (2 * int64_t(num_sms) + tiles - 1) / tiles;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({wanted, key_blocks / 4, kMaxSplits})));
+}
+
+cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,
+                                   cudaStream_t stream) {
+  const int64_t rows = int64_t(attn.batch) * attn.seqlen_q * attn.nheads_q +
+                       (prepare.cache_seqlens != nullptr ? int64_t(attn.batch) * prepare.seqlen_new * attn.nheads_kv : 0);
+  const int64_t blocks = blocks_for_rows(rows);
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  if (attn.is_bf16)
+    kvcache_prepare_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), 32 * kRowsPerBlock, 0, stream>>>(attn, prepare);
+  else
+    kvcache_prepare_kernel<__half><<<static_cast<unsigned>(blocks), 32 * kRowsPerBlock, 0, stream>>>(attn, prepare);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_kvcache_combine(const KvcacheFwdParams& params, cudaStream_t stream) {
+  const int64_t blocks = blocks_for_rows(int64_t(params.batch) * params.nheads_kv * params.packed_rows);
+  if (blocks == 0) return cudaSuccess;
+  return params.is_bf16
+             ? launch_on_flat_grid(kvcache_combine_kernel<__nv_bfloat16>, blocks, 32 * kRowsPerBlock, 0, stream, params)
+             : launch_on_flat_grid(kvcache_combine_kernel<__half>, blocks, 32 * kRowsPerBlock, 0, stream, params);
+}
+
+}  // namespace flashattn

@@ -1,0 +1,48 @@
+// The KV-cache attention launch for one head-dim tile width: its tile plan and grid.
+// Included only by the generated instantiation files.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "cuda/common/kernel_launch.cuh"
+#include "cuda/kvcache/kvcache_block.cuh"
+#include "cuda/kvcache/kvcache_launch.h"
+#include "cuda/sm80/kvcache_kernel.cuh"
+
+namespace flashattn {
+
+// Decoding reads K and V once and computes little: 64-row tiles (decoding's packed rows
+// are the GQA group, a handful) keep the tensor work per key block well under its copy
+// time, and two 64-key stages leave room for two thread blocks per SM on sm_90 (W <= 128),
+// so one block's copies run while the other computes. Fallback: devices whose
+// shared-memory opt-in is small (sm_86/89: 99 KB) and sm_80 at W = 256.
+template <int W>
+struct KvcacheTilePlan {
+  using Primary = ForwardTileShape<W, 64, 64, 4>;
+  using Fallback = ForwardTileShape<W, 32, 32, 2>;
+};
+
+template <typename Element, int W>
+cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
+                                     cudaStream_t stream) {
+  const auto launch = [&](auto shape) {
+    using Shape = decltype(shape);
+    return launch_on_flat_grid(kvcache_forward_kernel<Element, Shape>,
+                               KvcacheBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads,
+                               Shape::kSmemBytes, stream, params);
+  };
+  using Plan = KvcacheTilePlan<W>;
+  if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block) return launch(typename Plan::Primary{});
+  if (Plan::Fallback::kSmemBytes <= limits.max_smem_per_block) return launch(typename Plan::Fallback{});
+  return cudaErrorInvalidConfiguration;
+}
+
+#define FLASHATTN_INSTANTIATE_KVCACHE(W)                                                          \
+  template cudaError_t launch_kvcache_attention<__nv_bfloat16, W>(const KvcacheFwdParams&,       \
+                                                                  const DeviceLimits&, cudaStream_t); \
+  template cudaError_t launch_kvcache_attention<__half, W>(const KvcacheFwdParams&, const DeviceLimits&, \
+                                                           cudaStream_t);
+
+}  // namespace flashattn

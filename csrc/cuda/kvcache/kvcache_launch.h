@@ -1,0 +1,32 @@
+// The launches of a flash_attn_with_kvcache call, as the torch-side code sees them: the
+// prepare kernel, the attention kernel of one head-dim tile width, the combine kernel,
+// and the choice of the number of splits. Template definitions: kvcache_launch.cuh,
+// compiled only in the generated instantiations; the rest in kvcache_kernels.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/kvcache_params.h"
+#include "cuda/device_limits.h"
+
+namespace flashattn {
+
+// The splits of the key blocks for a call whose shapes are these (never its values, so a
+// captured CUDA graph stays right when cache_seqlens changes): `requested` > 0 is taken
+// (at most one split per key block of the cache's capacity); 0 chooses enough splits that
+// the grid gives every SM two thread blocks, each split at least four key blocks long.
+int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows, int num_sms);
+
+// Rotary embedding and the packed-GQA copy of q; the new rows into the cache.
+cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,
+                                   cudaStream_t stream);
+
+// The attention of the packed queries against the cache, into the partial outputs.
+template <typename Element, int W>
+cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
+                                     cudaStream_t stream);
+
+// The partials merged into out and lse.
+cudaError_t launch_kvcache_combine(const KvcacheFwdParams& params, cudaStream_t stream);
+
+}  // namespace flashattn

@@ -1,0 +1,143 @@
+// CUDA flash_attn_with_kvcache (attention_kvcache_forward): checks, then three launches on
+// the current stream: prepare (rotary, packed-GQA q, new rows into the cache), the
+// attention kernel of q's head-dim tile into split-KV partials, and the combine.
+// Nothing here depends on tensor values (the number of splits and every size come from
+// shapes), so a decode step can be captured in a CUDA graph and replayed with new
+// cache_seqlens.
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "attention_api.h"
+#include "attention_ops.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/kvcache/kvcache_launch.h"
+#include "kvcache_api.h"
+
+namespace flashattn {
+namespace {
+
+struct KvcacheAttentionLauncher {
+  const KvcacheFwdParams& params;
+  DeviceLimits limits;
+  cudaStream_t stream;
+
+  template <int W>
+  cudaError_t launch() const {
+    return params.is_bf16 ? launch_kvcache_attention<__nv_bfloat16, W>(params, limits, stream)
+                          : launch_kvcache_attention<__half, W>(params, limits, stream);
+  }
+};
+
+// The cache is written in place, so it cannot be copied to an aligned one as q can.
+void check_cache_rows_aligned(const at::Tensor& cache, const char* name) {
+  const bool aligned = reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && cache.stride(0) % 8 == 0 &&
+                       cache.stride(1) % 8 == 0 && cache.stride(2) % 8 == 0;
+  TORCH_CHECK(aligned, "flashattn_ext: the CUDA kernels read ", name, " in 16-byte pieces: its data pointer and "
+              "its strides (got ", cache.strides(), ") must be multiples of 16 bytes");
+}
+
+const int* int_data(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<int>() : nullptr; }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCACHE_FORWARD_ARGS) {
+  const KvcacheOptions opts = FLASHATTN_KVCACHE_OPTIONS;
+  check_kvcache_inputs(q, k_cache, v_cache, opts, cuda_features());
+  check_cuda_device(q);
+  check_cache_rows_aligned(k_cache, "k_cache");
+  check_cache_rows_aligned(v_cache, "v_cache");
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
+    check_kvcache_values(q, k_cache, opts);
+  const KvcacheSizes sizes = kvcache_sizes(q, k_cache, opts);
+  auto [out, lse] = allocate_kvcache_outputs(q);
+  const DeviceLimits limits = device_limits(q);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+
+  const int group = static_cast<int>(sizes.nheads_q / sizes.nheads_kv);
+  const int64_t packed_rows = sizes.seqlen_q * group;
+  const at::Tensor q_packed = at::empty({sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim}, q.options());
+  // The keys each sequence ends at (the new rows included); absent: whole cache rows.
+  std::optional<at::Tensor> seqused_k;
+  if (opts.cache_seqlens.has_value())
+    seqused_k = (*opts.cache_seqlens + sizes.seqlen_new).to(at::kInt);
+
+  KvcacheFwdParams p{};
+  p.q = q_packed.data_ptr();
+  p.q_strides = TensorStrides{q_packed.stride(0), q_packed.stride(2), q_packed.stride(1)};
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.k_strides = strides_of(k_cache);
+  p.v_strides = strides_of(v_cache);
+  p.out = out.data_ptr();
+  p.out_strides = strides_of(out);
+  p.lse = lse.data_ptr<float>();
+  p.lse_strides = TensorStrides{lse.stride(0), 1, lse.stride(1)};
+  p.batch = static_cast<int>(sizes.batch);
+  p.nheads_q = static_cast<int>(sizes.nheads_q);
+  p.nheads_kv = static_cast<int>(sizes.nheads_kv);
+  p.seqlen_q = p.rows_q = static_cast<int>(sizes.seqlen_q);
+  p.seqlen_k = p.rows_k = static_cast<int>(sizes.capacity);
+  p.head_dim = static_cast<int>(sizes.head_dim);
+  p.seqused_k = int_data(seqused_k);
+  p.softmax_scale = static_cast<float>(opts.softmax_scale);
+  p.softmax_scale_log2 = static_cast<float>(opts.softmax_scale * M_LOG2E);
+  const AttentionOptions window_opts{opts.softmax_scale, opts.causal, opts.window_left, opts.window_right,
+                                     opts.softcap,       std::nullopt, 0.0, std::nullopt, SequenceLayout{},
+                                     std::nullopt};
+  std::tie(p.window_left, p.window_right) = effective_window(window_opts, sizes.seqlen_q, sizes.capacity);
+  p.is_bf16 = q.scalar_type() == at::kBFloat16;
+  if (opts.paged()) {
+    p.block_table = opts.block_table->data_ptr<int>();
+    p.block_table_batch_stride = opts.block_table->stride(0);
+    p.pages_per_row = static_cast<int>(opts.block_table->size(1));
+    p.page_size = static_cast<int>(sizes.page_size);
+    p.num_pages = static_cast<int>(sizes.cache_rows);
+  }
+  p.cache_batch_idx = int_data(opts.cache_batch_idx);
+  p.cache_leftpad = int_data(opts.cache_leftpad);
+  p.group = group;
+  p.packed_rows = static_cast<int>(packed_rows);
+  p.num_splits = kvcache_num_splits(static_cast<int>(opts.num_splits), p.batch, p.nheads_kv, p.packed_rows,
+                                    p.seqlen_k, limits.num_sms);
+  const at::Tensor out_partial =
+      at::empty({p.num_splits, sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim}, q.options().dtype(at::kFloat));
+  const at::Tensor lse_partial =
+      at::empty({p.num_splits, sizes.batch, sizes.nheads_kv, packed_rows}, q.options().dtype(at::kFloat));
+  p.out_partial = out_partial.data_ptr<float>();
+  p.lse_partial = lse_partial.data_ptr<float>();
+
+  KvcachePrepareParams prep{};
+  prep.q = q.data_ptr();
+  prep.q_strides = strides_of(q);
+  prep.q_packed = q_packed.data_ptr();
+  if (opts.appends()) {
+    prep.k_new = opts.k_new->data_ptr();
+    prep.v_new = opts.v_new->data_ptr();
+    prep.k_new_strides = strides_of(*opts.k_new);
+    prep.v_new_strides = strides_of(*opts.v_new);
+    prep.seqlen_new = static_cast<int>(sizes.seqlen_new);
+    prep.cache_seqlens = int_data(opts.cache_seqlens);
+  }
+  if (opts.rotary_cos.has_value()) {
+    prep.rotary_cos = opts.rotary_cos->data_ptr();
+    prep.rotary_sin = opts.rotary_sin->data_ptr();
+    prep.rotary_rows = static_cast<int>(opts.rotary_cos->size(0));
+    prep.rotary_dim = static_cast<int>(sizes.rotary_dim);
+    prep.rotary_interleaved = opts.rotary_interleaved;
+    prep.rotate_q_per_position = rotary_q_positions_advance(opts, sizes.capacity);
+  }
+  check_cuda_status(launch_kvcache_prepare(p, prep, stream), "the KV-cache prepare kernel launch");
+  if (out.numel() == 0) return {out, lse};
+  cudaError_t status = cudaSuccess;
+  const KvcacheAttentionLauncher launcher{p, limits, stream};
+  if (!dispatch_head_dim_tile(p.head_dim, launcher, &status)) fail_head_dim_not_compiled(p.head_dim);
+  check_cuda_status(status, "the KV-cache attention kernel launch");
+  check_cuda_status(launch_kvcache_combine(p, stream), "the KV-cache combine kernel launch");
+  return {out, lse};
+}
+
+}  // namespace flashattn

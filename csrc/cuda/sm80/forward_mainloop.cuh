@@ -1,0 +1,205 @@
+// The main loop of the mma.sync forward kernels (sm_80+), FlashAttention-2 class, shared by
+// the attention kernel (forward_kernel.cuh) and the KV-cache kernel (kvcache_kernel.cuh),
+// which differ only in where their rows come from and where the results go.
+//
+// A thread block owns kBlockM query rows. It streams the key/value blocks the mask lets
+// those rows see through shared memory, last block first, so the blocks that need the
+// element-wise mask (the sequence tail, the causal diagonal) come first and the rest run
+// unmasked. The N x N score matrix never leaves the chip: each S = Q K^T block lives in
+// registers, is consumed by the online softmax (running max m and sum l per row, the
+// output accumulator rescaled by exp2(m_old - m_new)), and feeds P V straight from the
+// accumulator registers.
+//
+// Warps split the query rows: each of the kWarps warps owns kBlockM / kWarps rows (one or
+// two m16 tiles) across the whole key block and the whole head dimension, so the softmax
+// row reductions stay inside a quad of lanes (no shared memory).
+//
+// Pipeline: K and V blocks rotate through kStages shared-memory stages, so the copy of
+// the next block runs under the whole S = Q K^T, softmax, P V of this one. Q stays in
+// shared memory and is re-read per block: keeping it in registers would cost W/2
+// registers per m16 tile, which the d >= 128 tiles don't have.
+//
+// Versions (benchmarks/RESULTS.md):
+//   v1  FA2-style mma.sync kernel, padded shared-memory rows, register-resident P,
+//       single K/V buffers; a branch per score for the mask.
+//   v2  masked and unmasked tiles as separate code; two K/V stages in flight.
+//   v3  O rescale skipped when no row's max moved.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/attention_params.h"
+#include "cuda/common/mma_primitives.cuh"
+#include "cuda/common/online_softmax.cuh"
+#include "cuda/sm80/smem_tile.cuh"
+
+namespace flashattn {
+
+// kScoreKUnroll: how many of the W/16 k-steps of S = Q K^T are unrolled. Full
+// unrolling lets the compiler hoist every fragment load; with two m16 tiles per
+// warp that can exhaust the 255 registers, and a partly rolled loop costs only
+// an address add per step.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kScoreKUnroll_ = kHeadDim_ / 16>
+struct ForwardTileShape {
+  static constexpr int kScoreKUnroll = kScoreKUnroll_;
+  static constexpr int kHeadDim = kHeadDim_;  // compiled width W (>= the problem's head_dim)
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRowsPerWarp = kBlockM / kWarps;
+  static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
+  static constexpr int kNTiles = kBlockN / 8;        // n8 tiles of S per m16 tile
+  static constexpr int kDTiles = kHeadDim / 8;       // n8 tiles of O per m16 tile
+  using QTile = SmemTile<kBlockM, kHeadDim>;
+  using KVTile = SmemTile<kBlockN, kHeadDim>;
+  // K/V blocks in flight: with two, the copy of block j+1 has all of block j's
+  // compute to land in, instead of one GEMM as with FlashAttention-2's single buffers.
+  static constexpr int kStages = 2;
+  static constexpr int kSmemBytes = QTile::kBytes + kStages * 2 * KVTile::kBytes;
+  static_assert(kRowsPerWarp % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "mma k-steps are 16 wide");
+};
+
+// A warp's rows: the O accumulator and the running max (log2 domain) and sum (this
+// lane's part, quad-reduced by the epilogue).
+template <typename Shape>
+struct ForwardRowState {
+  float acc_o[Shape::kMTiles][Shape::kDTiles][4];
+  float row_max[Shape::kMTiles][2];
+  float row_sum[Shape::kMTiles][2];
+
+  __device__ __forceinline__ ForwardRowState() {
+#pragma unroll
+    for (int mt = 0; mt < Shape::kMTiles; ++mt) {
+#pragma unroll
+      for (int dt = 0; dt < Shape::kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[mt][h] = -INFINITY;
+        row_sum[mt][h] = 0.f;
+      }
+    }
+  }
+};
+
+// Rows [m_begin, m_begin + kBlockM) against key blocks n_block_last down to n_block_first
+// (nothing when last < first), into `state`. `load_q(q_smem)` and
+// `load_kv_block(kv_smem, n_block)` issue the cp.async copies of the Q tile and of one key
+// block's K and V tiles (V's at kv_smem + KVTile::kBytes) (zero-filling rows past the sequence); `mask` answers
+// which (row, key) pairs are visible (MaskGeometry, PackedRowsMask). `params` is the
+// kernel's __grid_constant__ one: the softmax scale is read from the constant bank at
+// each use (a register held through the loop cost the W = 128 kernel spills).
+template <typename Element, typename Shape, typename Mask, typename LoadQ, typename LoadKVBlock>
+__device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& load_q,
+                                                 const LoadKVBlock& load_kv_block, const Mask& mask,
+                                                 int m_begin, int n_block_first, int n_block_last,
+                                                 const AttentionFwdParams& params, ForwardRowState<Shape>& state) {
+  using Mma = MmaElement<Element>;
+  constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kHeadDim = Shape::kHeadDim;
+  constexpr int kMTiles = Shape::kMTiles, kNTiles = Shape::kNTiles, kDTiles = Shape::kDTiles;
+  constexpr int kKsUnroll = Shape::kScoreKUnroll;
+  using QTile = typename Shape::QTile;
+  using KVTile = typename Shape::KVTile;
+  // Shared memory from q_smem: Q, then kStages x (K, V).
+  const auto k_smem = [&](int stage) { return q_smem + QTile::kBytes + stage * 2 * KVTile::kBytes; };
+  const auto v_smem = [&](int stage) { return k_smem(stage) + KVTile::kBytes; };
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  auto& acc_o = state.acc_o;
+  auto& row_max = state.row_max;
+  auto& row_sum = state.row_sum;
+
+  // With no key block the loops below do nothing, and Q's copy is waited for at the end.
+  // (Any branch around it, or around the whole loop, cost the W = 128 kernel spills.)
+  const int num_blocks = n_block_last - n_block_first + 1;
+  load_q(q_smem);
+  // Prologue: the first kStages - 1 blocks in flight, one commit group each (Q joins the
+  // first; empty groups past the last block keep the wait counts uniform).
+#pragma unroll
+  for (int st = 0; st < Shape::kStages - 1; ++st) {
+    if (st < num_blocks) load_kv_block(k_smem(st), n_block_last - st);
+    cp_async_commit();
+  }
+
+  // ldmatrix lane addressing (see mma_primitives.cuh for the fragment layouts).
+  const int a_row = lane % 16, a_col = (lane / 16) * 8;                          // A: Q
+  const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;  // B: K rows
+  const int vt_row = (lane % 8) + ((lane / 8) % 2) * 8, vt_col = (lane / 16) * 8;  // B: V^T
+  const int warp_row = warp * Shape::kRowsPerWarp;
+
+  for (int it = 0; it < num_blocks; ++it) {
+    const int n_block = n_block_last - it;
+    const int stage = it % Shape::kStages;
+    // Block `it + kStages - 1` goes in flight into the stage every warp
+    // finished with in the previous iteration (the barrier below orders it).
+    cp_async_wait<Shape::kStages - 2>();
+    __syncthreads();  // block `it` (and Q) visible to all; stage (it - 1) free
+    {
+      const int ahead = it + Shape::kStages - 1;
+      if (ahead < num_blocks) {
+        const int ahead_stage = ahead % Shape::kStages;
+        load_kv_block(k_smem(ahead_stage), n_block_last - ahead);
+      }
+      cp_async_commit();
+    }
+    const uint32_t k_stage = k_smem(stage), v_stage = v_smem(stage);
+
+    float acc_s[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+
+#pragma unroll kKsUnroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+        ldmatrix_x4(a[mt], QTile::address(q_smem, warp_row + mt * 16 + a_row, ks * 16 + a_col));
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, KVTile::address(k_stage, np * 16 + b_row, ks * 16 + b_col));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          Mma::mma(acc_s[mt][2 * np], a[mt], b[0], b[1]);
+          Mma::mma(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    const int n_begin = n_block * kBlockN;
+    if (mask.tile_fully_visible(m_begin, m_begin + kBlockM, n_begin, n_begin + kBlockN))
+      softmax_update<false>(acc_s, acc_o, row_max, row_sum, params.softmax_scale_log2, mask,
+                          m_begin + warp_row, n_begin, lane);
+    else
+      softmax_update<true>(acc_s, acc_o, row_max, row_sum, params.softmax_scale_log2, mask,
+                          m_begin + warp_row, n_begin, lane);
+
+    // O += P V, P from the S accumulators (two n8 tiles = one k16 A fragment).
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t p[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) accumulator_as_a<Element>(p[mt], acc_s[mt], kk);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, KVTile::address(v_stage, kk * 16 + vt_row, dp * 16 + vt_col));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          Mma::mma(acc_o[mt][2 * dp], p[mt], b[0], b[1]);
+          Mma::mma(acc_o[mt][2 * dp + 1], p[mt], b[2], b[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace flashattn

@@ -1,0 +1,55 @@
+// KV-cache attention kernel for sm_80+ (mma.sync tensor cores): one thread block owns
+// kBlockM packed-GQA rows of one (batch entry, KV head) (kvcache/kvcache_block.cuh), so K
+// and V are read once for every query head that shares them, runs the forward main loop
+// (forward_mainloop.cuh) over its split of the cache's key blocks, contiguous or paged,
+// and writes fp32 partial O and lse for the combine kernel to merge and unpack.
+#pragma once
+
+#include "common/kvcache_params.h"
+#include "cuda/common/forward_epilogue.cuh"
+#include "cuda/kvcache/kvcache_block.cuh"
+#include "cuda/sm80/forward_mainloop.cuh"
+
+namespace flashattn {
+
+template <typename Element, typename Shape>
+__global__ void __launch_bounds__(Shape::kThreads)
+    kvcache_forward_kernel(const __grid_constant__ KvcacheFwdParams params) {
+  using QTile = typename Shape::QTile;
+  using KVTile = typename Shape::KVTile;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t q_smem = smem_address(smem);
+
+  const KvcacheBlock blk(params, Shape::kBlockM, Shape::kBlockN);
+  const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
+  const CacheSequence& seq = blk.seq;
+  const Element* q_ptr = static_cast<const Element*>(params.q) + blk.batch * params.q_strides.batch +
+                         blk.kv_head * params.q_strides.head + int64_t(blk.m_begin) * params.q_strides.row;
+  const Element* k_cache = static_cast<const Element*>(params.k);
+  const Element* v_cache = static_cast<const Element*>(params.v);
+
+  const auto load_q = [&](uint32_t smem_q) {
+    QTile::template load_async<Shape::kThreads>(smem_q, q_ptr, params.q_strides.row, blk.valid_rows,
+                                                params.head_dim, thread);
+  };
+  const auto load_kv_block = [&](uint32_t kv_smem, int n_block) {
+    const int n0 = n_block * Shape::kBlockN;
+    KVTile::template load_rows_async<Shape::kThreads>(
+        kv_smem, [&](int r) { return seq.k_row(k_cache, params.k_strides, blk.kv_head, n0 + r); },
+        seq.seqlen_k - n0, params.head_dim, thread);
+    KVTile::template load_rows_async<Shape::kThreads>(
+        kv_smem + KVTile::kBytes, [&](int r) { return seq.k_row(v_cache, params.v_strides, blk.kv_head, n0 + r); },
+        seq.seqlen_k - n0, params.head_dim, thread);
+  };
+  ForwardRowState<Shape> state;
+  forward_mainloop<Element, Shape>(q_smem, load_q, load_kv_block, blk.mask, blk.m_begin, blk.n_block_first,
+                                   blk.n_block_last, params, state);
+
+  const int64_t partial_row = blk.partial_row(params);
+  store_forward_rows<float>(state.acc_o, state.row_max, state.row_sum,
+                            params.out_partial + partial_row * params.head_dim, params.head_dim,
+                            params.lse_partial + partial_row, warp * Shape::kRowsPerWarp, blk.valid_rows,
+                            params.head_dim, lane, -INFINITY);
+}
+
+}  // namespace flashattn
