@@ -5,13 +5,10 @@
 #include <cmath>
 #include <limits>
 
+#include "argument_checks.h"
+
 namespace flashattn {
 namespace {
-
-// Shapes and strides are read as SymInts, so that these checks also run in the Meta
-// kernels (csrc/meta/) on the symbolic shapes of torch.compile; there each comparison
-// becomes a guard, as a Python `if` on a SymInt would.
-bool holds(const c10::SymBool& condition) { return condition.guard_bool(__FILE__, __LINE__); }
 
 // Layouts named in every shape message, so the user sees which axis is which.
 constexpr const char* kDenseLayout = "(batch, seqlen, nheads, head_dim)";
@@ -24,32 +21,6 @@ void check_rank(const at::Tensor& t, const char* name, bool varlen) {
               varlen ? kVarlenLayout : kDenseLayout,
               varlen ? " (cu_seqlens given)" : " (no cu_seqlens given)", ", got ", t.dim(),
               " dimensions with shape ", t.sym_sizes());
-}
-
-void check_size(const at::Tensor& t, const char* name, int64_t dim, const char* dim_name,
-                const c10::SymInt& expected, const char* expected_from) {
-  const int64_t d = dim < 0 ? dim + t.dim() : dim;
-  TORCH_CHECK(holds(t.sym_size(d) == expected), "flashattn_ext: ", name, " ", dim_name, " (dim ", d,
-              ") must match ", expected_from, ": got ", t.sym_size(d), ", expected ", expected);
-}
-
-void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.device() == q.device(), "flashattn_ext: ", name,
-              " must be on the same device as q: got ", t.device(), ", expected ", q.device());
-}
-
-void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flashattn_ext: ", name,
-              " must have the same dtype as q: got ", t.scalar_type(), ", expected ",
-              q.scalar_type());
-}
-
-void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
-  // An empty tensor has no element to address, whatever its strides (autograd
-  // hands the backward an expanded, stride-0 gradient of an empty output).
-  TORCH_CHECK(holds(t.sym_numel() == 0) || holds(t.sym_size(-1) <= 1) || holds(t.sym_stride(-1) == 1),
-              "flashattn_ext: ", name, " must be contiguous in its last dimension (head_dim): got stride ",
-              t.sym_stride(-1), ", expected 1");
 }
 
 // cu_seqlens (batch + 1) or seqused (batch): int32, 1-d, contiguous, on q's device.
@@ -124,29 +95,9 @@ void check_options(const AttentionOptions& opts, const at::Tensor& q, const at::
   if (opts.alibi_slopes.has_value()) {
     TORCH_CHECK_NOT_IMPLEMENTED(backend.alibi, "flashattn_ext: alibi_slopes is not implemented on ",
                                 backend.name, " yet");
-    const at::Tensor& s = *opts.alibi_slopes;
-    check_same_device(s, "alibi_slopes", q);
-    TORCH_CHECK(s.scalar_type() == at::kFloat, "flashattn_ext: alibi_slopes must be float32, got ",
-                s.scalar_type());
-    const c10::SymInt b = batch_of(q, opts.layout.cu_seqlens_q), h = q.sym_size(-2);
-    const bool per_head = s.dim() == 1 && holds(s.sym_size(0) == h);
-    const bool per_batch_head = s.dim() == 2 && holds(s.sym_size(0) == b) && holds(s.sym_size(1) == h);
-    TORCH_CHECK(per_head || per_batch_head, "flashattn_ext: alibi_slopes must have shape (nheads,) = (",
-                h, ",) or (batch, nheads) = (", b, ", ", h, "), got ", s.sym_sizes());
-    TORCH_CHECK(holds(s.sym_stride(-1) == 1), "flashattn_ext: alibi_slopes must be contiguous in its last "
-                "dimension: got stride ", s.sym_stride(-1), ", expected 1");
+    check_alibi_slopes(*opts.alibi_slopes, q, batch_of(q, opts.layout.cu_seqlens_q), q.sym_size(-2));
   }
-  if (opts.learnable_sink.has_value()) {
-    const at::Tensor& sink = *opts.learnable_sink;
-    check_same_device(sink, "learnable_sink", q);
-    TORCH_CHECK(sink.scalar_type() == at::kFloat, "flashattn_ext: learnable_sink must be float32, got ",
-                sink.scalar_type());
-    const c10::SymInt h = q.sym_size(-2);
-    TORCH_CHECK(sink.dim() == 1 && holds(sink.sym_size(0) == h), "flashattn_ext: learnable_sink must have shape "
-                "(nheads,) = (", h, ",), got ", sink.sym_sizes());
-    TORCH_CHECK(holds(sink.sym_size(0) <= 1) || holds(sink.sym_stride(0) == 1), "flashattn_ext: learnable_sink must be "
-                "contiguous: got stride ", sink.sym_stride(0), ", expected 1");
-  }
+  if (opts.learnable_sink.has_value()) check_learnable_sink(*opts.learnable_sink, q, q.sym_size(-2));
   if (opts.dropout_p > 0.0) {
     TORCH_CHECK(opts.rng_state.has_value(), "flashattn_ext: rng_state (int64 [seed, offset]) is "
                 "required when dropout_p > 0");

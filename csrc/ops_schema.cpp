@@ -1,10 +1,11 @@
 // Operator schemas of flashattn_ext. Each backend file registers its kernels for
-// these with TORCH_LIBRARY_IMPL; the Python package adds fake (meta) kernels and
-// autograd in flashattn_ext/ops.py.
+// these with TORCH_LIBRARY_IMPL (the Meta kernels in csrc/meta/); the Python package
+// adds autograd in flashattn_ext/ops.py.
 //
 // The schemas carry every feature planned (window, softcap, ALiBi, dropout, learnable
 // sinks, deterministic backward), so adding a kernel feature never changes them: a
 // backend that lacks a feature refuses it with NotImplementedError.
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 // The sequence arguments, shared by both ops. cu_seqlens_q (int32, batch + 1) makes q
@@ -49,4 +50,38 @@ TORCH_LIBRARY(flashattn_ext, m) {
       "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic, "
       FLASHATTN_SEQUENCE_SCHEMA ", " FLASHATTN_SINK_SCHEMA
       ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsink)");
+  // flash_attn_with_kvcache (inference: no autograd). q (batch, seqlen_q, nheads, head_dim);
+  // k_cache, v_cache (batch_cache, seqlen_cache, nheads_kv, head_dim), or with block_table
+  // (int32 (batch, max_blocks_per_seq)) paged: (num_blocks, page_size, nheads_kv, head_dim),
+  // row r of sequence b in block block_table[b][r / page_size] at row r % page_size.
+  // Batch entry b uses cache row cache_batch_idx[b] (default b). k_new / v_new
+  // (batch, seqlen_new, nheads_kv, head_dim) are written in place at rows cache_seqlens[b] ..
+  // cache_seqlens[b] + seqlen_new - 1, k_new rotated first when rotary_cos / rotary_sin
+  // ((seqlen_ro, rotary_dim / 2)) are given; nothing else of the caches is written. Then q
+  // (rotated too) attends to rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1, the
+  // mask and window aligned bottom-right on them. cache_seqlens (int32 (batch,)) absent: the
+  // whole cache row, and no k_new. Rotary positions are cache rows: k_new row t at
+  // cache_seqlens[b] + t, q row i at cache_seqlens[b] + i when causal or windowed, else all at
+  // cache_seqlens[b] (flash-attn's rule). num_splits: the keys split in that many parts whose
+  // partial results are merged by log-sum-exp (0: the backend chooses; the result does not
+  // depend on it beyond rounding). Returns out like q and lse (batch, nheads, seqlen_q) as
+  // attention_forward does.
+  m.def(
+      "attention_kvcache_forward(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_new, "
+      "Tensor? v_new, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, "
+      "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, "
+      "bool causal, int window_left, int window_right, float softcap, bool rotary_interleaved, "
+      "Tensor? alibi_slopes, int num_splits, " FLASHATTN_SINK_SCHEMA ") -> (Tensor out, Tensor lse)");
+}
+
+// attention_kvcache_forward has no derivative (nor has flash-attn's). A mutable op cannot
+// take a Python formula (torch.library.register_autograd wants a functional schema), so it
+// gets torch's "not implemented" autograd kernels: a backward through its out raises an
+// error naming the op, rather than silently giving zero gradients, and the ADInplaceOrView
+// kernel bumps the caches' version counters, so autograd sees that they were written.
+TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
+  m.impl("attention_kvcache_forward", torch::autograd::autogradNotImplementedFallback());
+}
+TORCH_LIBRARY_IMPL(flashattn_ext, ADInplaceOrView, m) {
+  m.impl("attention_kvcache_forward", torch::autograd::autogradNotImplementedInplaceOrViewFallback());
 }

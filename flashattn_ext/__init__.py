@@ -1,9 +1,10 @@
 """flashattn_ext: exact, IO-aware attention (FlashAttention) for PyTorch.
 
-Hand-written CUDA kernels and a tiled C++ CPU implementation behind two ops,
-``torch.ops.flashattn_ext.attention_forward`` and ``attention_backward``, and a
-flash-attn 2.x compatible Python API on top of them: flash_attn_func and its packed
-forms, and the variable-length flash_attn_varlen_func and its packed forms.
+Hand-written CUDA kernels and a tiled C++ CPU implementation behind the ops
+``torch.ops.flashattn_ext.attention_forward``, ``attention_backward`` and
+``attention_kvcache_forward``, and a flash-attn 2.x compatible Python API on top of
+them: flash_attn_func and its packed forms, the variable-length flash_attn_varlen_func
+and its packed forms, and flash_attn_with_kvcache.
 """
 
 import importlib.machinery
@@ -59,6 +60,7 @@ from .interface import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 
 
@@ -81,4 +83,5 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]

@@ -37,7 +37,7 @@ def environment_report() -> str:
                          f"compute capability {major}.{minor}")
     else:
         lines.append("GPU: no CUDA device")
-    for op_name in ("attention_forward", "attention_backward"):
+    for op_name in ("attention_forward", "attention_backward", "attention_kvcache_forward"):
         has_cuda = "yes" if ops.has_kernel(op_name, "CUDA") else "no"
         lines.append(f"op flashattn_ext::{op_name}: CUDA kernel {has_cuda} "
                      f"(kernels for {_op_kernels(op_name)})")

@@ -1,6 +1,6 @@
 """What the Python API checks itself: the arguments the ops never see as given
-(window_size as a pair, the packed qkv / kv tensors, max_seqlen as an int, Python
-types). Every argument the ops take is checked once, in C++
+(window_size as a pair, the packed qkv / kv tensors, max_seqlen or cache_seqlens as an
+int, Python types). Every argument the ops take is checked once, in C++
 (csrc/attention_api.cpp), by every backend and by the Meta kernels that
 torch.compile traces with; the Python functions only make sure that what they do
 before calling an op (padding the head dim, unbinding a packed tensor) never hides
@@ -119,8 +119,10 @@ def check_packed(t: torch.Tensor, name: str, count: int, layout: str, packed_dim
         )
 
 
-def check_max_seqlen(max_seqlen, name: str) -> int:
-    """max_seqlen_q / max_seqlen_k of the varlen functions: an int (>= 0, which the op checks)."""
-    if not _is_int(max_seqlen):
-        raise TypeError(f"flashattn_ext: {name} must be an int, got {type(max_seqlen).__name__}")
-    return max_seqlen if isinstance(max_seqlen, torch.SymInt) else operator.index(max_seqlen)
+def check_int(value, name: str) -> int:
+    """An int argument the op takes as given (max_seqlen_q / max_seqlen_k, cache_seqlens
+    as one length for every sequence, num_splits): a Python or numpy integer or a SymInt,
+    not a bool; the op checks its value."""
+    if not _is_int(value):
+        raise TypeError(f"flashattn_ext: {name} must be an int, got {type(value).__name__}")
+    return value if isinstance(value, torch.SymInt) else operator.index(value)

@@ -1,6 +1,7 @@
 """flash-attn 2.x compatible functions: flash_attn_func, flash_attn_qkvpacked_func,
-flash_attn_kvpacked_func, and their variable-length forms flash_attn_varlen_func,
-flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func.
+flash_attn_kvpacked_func, their variable-length forms flash_attn_varlen_func,
+flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func, and the inference
+function flash_attn_with_kvcache (append to a KV cache in place, then attend to it).
 
 Same argument names, defaults and return conventions as flash-attn 2.x; layout
 (batch, seqlen, nheads, head_dim), or (total, nheads, head_dim) for the varlen
@@ -48,12 +49,14 @@ Differences from flash-attn, all deliberate:
   raises NotImplementedError.
 * Devices: CPU (fp32, fp64, bf16, fp16; every feature) and CUDA (fp16, bf16) where
   the build has the CUDA kernels (softcap, ALiBi, dropout and learnable_sink not yet:
-  NotImplementedError).
+  NotImplementedError). flash_attn_with_kvcache runs on the CPU (without alibi_slopes)
+  and, once its CUDA kernel lands, on CUDA; it takes no head dim that is not a multiple
+  of 8 (padding would copy the cache it must write in place).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -231,8 +234,8 @@ def _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sequs
     checks.check_is_tensor(cu_seqlens_q, "cu_seqlens_q")
     checks.check_is_tensor(cu_seqlens_k, "cu_seqlens_k")
     return checks.SequenceLayout(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                 checks.check_max_seqlen(max_seqlen_q, "max_seqlen_q"),
-                                 checks.check_max_seqlen(max_seqlen_k, "max_seqlen_k"))
+                                 checks.check_int(max_seqlen_q, "max_seqlen_q"),
+                                 checks.check_int(max_seqlen_k, "max_seqlen_k"))
 
 
 def flash_attn_varlen_func(
@@ -335,3 +338,96 @@ def flash_attn_varlen_kvpacked_func(
     layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, layout)
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
+):
+    """Incremental decoding: appends k, v to the KV cache in place, then attends to the cache.
+
+    flash-attn 2.x's function, same arguments and semantics; no backward (a backward
+    through out raises).
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, head_dim); head_dim a multiple of 8, at most 256.
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_kv, head_dim), or with
+            block_table, paged: (num_blocks, page_size, nheads_kv, head_dim), page_size a
+            multiple of 16. Written in place (only the new rows); never copied, so their
+            last dimension must be contiguous.
+        k, v: (batch, seqlen_new, nheads_kv, head_dim), optional, together: written into
+            the cache at rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of
+            batch entry b's cache row (k rotated first with rotary_cos / rotary_sin).
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), q's dtype, optional (need k):
+            rotary embedding of the first rotary_dim columns, at the cache row's position:
+            k row t at cache_seqlens[b] + t; q row i at cache_seqlens[b] + i when causal or
+            windowed, else every q row at cache_seqlens[b].
+        cache_seqlens: int, or int32 (batch,): each sequence's length in the cache before
+            this call (an int applies to every one). None: every cache row is used whole,
+            and k, v must be None.
+        cache_batch_idx: int32 (batch,): batch entry b uses cache row cache_batch_idx[b]
+            (default b); not with block_table. Duplicate entries with k given: which write
+            lands is unspecified.
+        cache_leftpad: int32 (batch,): sequence b starts at cache row cache_leftpad[b]
+            (default 0); the rows before it are not attended to.
+        block_table: int32 (batch, max_blocks_per_seq): row r of sequence b lives in block
+            block_table[b][r // page_size], row r % page_size (paged KV cache).
+        softmax_scale: scale of q·kᵀ; default 1/sqrt(head_dim).
+        causal, window_size: as flash_attn_func, aligned bottom-right on each sequence's
+            keys (cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1).
+        softcap: > 0 applies softcap·tanh(score / softcap).
+        rotary_interleaved: True: rotate column pairs (0, 1), (2, 3), ... (GPT-J); False:
+            (i, i + rotary_dim / 2) (GPT-NeoX).
+        alibi_slopes: fp32 (nheads,) or (batch, nheads); not implemented yet
+            (NotImplementedError).
+        num_splits: split the keys into this many parts whose partial results are merged
+            by log-sum-exp (1: no split; 0: the backend chooses). Changes the result by
+            rounding only.
+        return_softmax_lse: also return softmax_lse.
+        learnable_sink (keyword only): fp32 (nheads,) sink logits, as flash_attn_func's.
+
+    Returns:
+        out (batch, seqlen_q, nheads, head_dim); with return_softmax_lse, (out,
+        softmax_lse (batch, nheads, seqlen_q) fp32 (fp64 for fp64 inputs)). A row that sees
+        no key gets out = 0 and lse = +inf.
+    """
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        checks.check_is_tensor(t, name)
+    for t, name in ((k, "k"), (v, "v"), (rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin"),
+                    (cache_batch_idx, "cache_batch_idx"), (cache_leftpad, "cache_leftpad"),
+                    (block_table, "block_table"), (alibi_slopes, "alibi_slopes"),
+                    (learnable_sink, "learnable_sink")):
+        if t is not None:
+            checks.check_is_tensor(t, name)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.size(0),), checks.check_int(cache_seqlens, "cache_seqlens"),
+                                   dtype=torch.int32, device=q.device)
+    window_left, window_right = checks.check_window_size(window_size)
+    head_dim = q.size(-1) if q.dim() > 0 else 0
+    # q, k and v are read only: copied when their last dimension is strided, as flash-attn does.
+    q, k, v = (t if t is None else ops.unit_stride_last_dim(t) for t in (q, k, v))
+    out, lse = ops.attention_kvcache_forward(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, _softmax_scale(softmax_scale, head_dim), bool(causal),
+        window_left, window_right, float(softcap), bool(rotary_interleaved), alibi_slopes,
+        checks.check_int(num_splits, "num_splits"), learnable_sink)
+    return (out, lse) if return_softmax_lse else out

@@ -41,6 +41,9 @@ from . import _C  # noqa: F401  (loads the library: defines the ops and their C+
 
 attention_forward = torch.ops.flashattn_ext.attention_forward.default
 attention_backward = torch.ops.flashattn_ext.attention_backward.default
+# flash_attn_with_kvcache's op: it writes the caches in place (a mutable schema), so its
+# "no derivative" autograd kernel is registered in C++ (csrc/ops_schema.cpp), not here.
+attention_kvcache_forward = torch.ops.flashattn_ext.attention_kvcache_forward.default
 
 
 def has_kernel(op_name: str, dispatch_key: str) -> bool:

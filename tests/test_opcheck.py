@@ -1,4 +1,4 @@
-"""torch.library.opcheck on both ops over the shared sample cases.
+"""torch.library.opcheck on the ops over the shared sample cases.
 
 opcheck runs test_schema (no aliasing/mutation the schema does not declare),
 test_autograd_registration (the forward's autograd is registered through
@@ -6,11 +6,14 @@ torch.library, see flashattn_ext/ops.py), test_faketensor (the fake kernels
 give exactly the real outputs' sizes, strides and dtypes) and
 test_aot_dispatch_dynamic (eager vs AOT autograd with dynamic shapes, forward
 and backward). None is skipped: every one applies to these ops. The varlen cases
-pass the sequence arguments (cu_seqlens, seqused, max_seqlen) too."""
+pass the sequence arguments (cu_seqlens, seqused, max_seqlen) too. For the KV cache op,
+which writes its caches, test_schema also checks that nothing else is written, and
+test_aot_dispatch_dynamic the functionalized mutation (torch.compile's view of it)."""
 
 import pytest
 import torch
 
+import kvcache_inputs
 from sample_inputs import CASES_BY_NAME, VARLEN_CASES, cases_tagged
 
 OPCHECK_CASES = ([case for case in cases_tagged("opcheck") if case.op_compatible]
@@ -41,3 +44,11 @@ def test_opcheck_attention_backward(case, dtype):
 def test_opcheck_forward_without_grad():
     inputs = CASES_BY_NAME["gqa_2"].make(torch.float32, requires_grad=False)
     torch.library.opcheck(torch.ops.flashattn_ext.attention_forward.default, inputs.forward_op_args())
+
+
+@pytest.mark.parametrize("name", ["decode_gqa4_rotary_gptj", "paged16_leftpad", "cache_only", "batch_idx", "sink"])
+def test_opcheck_attention_kvcache_forward(name):
+    case = kvcache_inputs.CASES_BY_NAME[name]
+    inputs = kvcache_inputs.make_inputs(case, torch.float32)
+    torch.library.opcheck(torch.ops.flashattn_ext.attention_kvcache_forward.default,
+                          inputs.op_args(case, num_splits=2))

@@ -66,6 +66,7 @@
 #include "attention_api.h"
 #include "attention_ops.h"
 #include "common/philox.h"
+#include "cpu/cpu_dtypes.h"
 
 // at::parallel_for is a header template: with an OpenMP ATen it only runs in
 // parallel when this file itself is compiled with OpenMP, and runs serially
@@ -87,11 +88,6 @@ constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 128;
 // A dropout draw covers four columns (csrc/common/philox.h); key blocks start on a whole draw.
 static_assert(kBlockK % 4 == 0, "key blocks must start at a multiple of 4 columns");
-
-bool cpu_dtype_supported(at::ScalarType dtype) {
-  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
-         dtype == at::kHalf;
-}
 
 constexpr BackendFeatures kCpuBackend{"CPU", /*softcap=*/true, /*alibi=*/true, /*dropout=*/true,
                                       /*learnable_sink=*/true, cpu_dtype_supported};
