@@ -40,6 +40,7 @@
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm90/hopper_primitives.cuh"
+#include "cuda/sm90/pipeline_state.cuh"
 #include "cuda/sm90/wgmma_ops.cuh"
 
 namespace flashattn {
@@ -135,9 +136,11 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       sm90::tma_load_tile<kColumnBlocks>(q_smem, &args.q_map, q_full, kBlockM, seq.q_offset + blk.m_begin, blk.head,
                                          SequenceInfo::q_map_batch(params, blk.batch));
       const int k_batch = SequenceInfo::k_map_batch(params, blk.batch);
-      for (int it = 0; it < num_blocks; ++it) {
-        const int stage = it % kStages;
-        if (it >= kStages) sm90::mbarrier_wait(kv_empty(stage), ((it / kStages) + 1) & 1);
+      sm90::PipelineState<kStages> write;
+      for (int it = 0; it < num_blocks; ++it, write.advance()) {
+        const int stage = write.index;
+        // The consumers free a stage one phase after it was filled.
+        if (it >= kStages) sm90::mbarrier_wait(kv_empty(stage), write.phase ^ 1);
         const int n0 = seq.k_offset + (blk.n_block_last - it) * kBlockN;
         sm90::mbarrier_arrive_expect_bytes(k_full(stage), Shape::kKVBytes);
         sm90::tma_load_tile<kColumnBlocks>(k_smem(stage), &args.k_map, k_full(stage), kBlockN, n0,
@@ -166,10 +169,14 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     // Q rows of this warpgroup and K rows are K-major operands, V the MN-major B of P V.
     const uint32_t q_wg = q_smem + consumer * 64 * sm90::kSwizzleBytes;
 
-    // S = Q K^T of key block `it` into acc_s, issued and committed (not waited for).
-    const auto issue_scores = [&](float (&acc_s)[kBlockN / 2], int it) {
-      const int stage = it % kStages;
-      sm90::mbarrier_wait(k_full(stage), (it / kStages) & 1);
+    // Each consumer reads the ring twice: K for the scores of the next block, V (then
+    // releasing the stage) for P V of the current one.
+    sm90::PipelineState<kStages> read_k, read_v;
+    // S = Q K^T of the next key block into acc_s, issued and committed (not waited for).
+    const auto issue_scores = [&](float (&acc_s)[kBlockN / 2]) {
+      const int stage = read_k.index;
+      sm90::mbarrier_wait(k_full(stage), read_k.phase);
+      read_k.advance();
       sm90::wgmma_fence();
   #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
@@ -206,7 +213,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       sm90::mbarrier_wait(q_full, 0);
       float acc_s[1][kNTiles][4];
       auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-      issue_scores(acc_s_flat, 0);
+      issue_scores(acc_s_flat);
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_s_flat);
       softmax_block(acc_s, corrections, 0);
@@ -223,12 +230,12 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
         sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerWarpgroups * 128);
       }
     }
-    // O = O * correction + P_it V_it, issued and committed; the stage is handed
-    // back to the producer once it has completed.
-    const auto issue_pv = [&](int it) {
-      const int stage = it % kStages;
+    // O = O * correction + P V of the current block, issued and committed; the stage is
+    // handed back to the producer once it has completed.
+    const auto issue_pv = [&] {
+      const int stage = read_v.index;
       rescale_output(acc_o, corrections);
-      sm90::mbarrier_wait(v_full(stage), (it / kStages) & 1);
+      sm90::mbarrier_wait(v_full(stage), read_v.phase);
       sm90::fence_registers(acc_o_flat);
       sm90::wgmma_fence();
   #pragma unroll
@@ -238,9 +245,10 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
             sm90::mn_major_descriptor(v_smem(stage) + kk * 16 * sm90::kSwizzleBytes, kBlockN));
       sm90::wgmma_commit();
     };
-    const auto release_stage = [&](int it) {
+    const auto release_stage = [&] {
       __syncwarp();
-      if (lane == 0) sm90::mbarrier_arrive(kv_empty(it % kStages));
+      if (lane == 0) sm90::mbarrier_arrive(kv_empty(read_v.index));
+      read_v.advance();
     };
 
     // The last block is peeled off so that every iteration of the loop has the
@@ -250,8 +258,8 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       float acc_s[1][kNTiles][4];
       auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
       if constexpr (Shape::kOverlap) {
-        issue_scores(acc_s_flat, it + 1);
-        issue_pv(it);
+        issue_scores(acc_s_flat);
+        issue_pv();
         sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
         sm90::fence_registers(acc_s_flat);
         // P_it must stay untouched until P_it V_it completes (wgmma reads its A
@@ -259,13 +267,13 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
         softmax_block(acc_s, corrections, it + 1);
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_o_flat);
-        release_stage(it);
+        release_stage();
       } else {
-        issue_pv(it);
+        issue_pv();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_o_flat);
-        release_stage(it);
-        issue_scores(acc_s_flat, it + 1);
+        release_stage();
+        issue_scores(acc_s_flat);
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_s_flat);
         softmax_block(acc_s, corrections, it + 1);
@@ -273,10 +281,10 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       pack_p(acc_s, p);
     }
     if (num_blocks > 0) {
-      issue_pv(num_blocks - 1);
+      issue_pv();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_o_flat);
-      release_stage(num_blocks - 1);
+      release_stage();
     }
 
     store_forward_rows<Element>(acc_o, row_max, row_sum, blk.out_rows<Element>(params), params.out_strides.row,

@@ -1,0 +1,26 @@
+// Where a producer or a consumer is in a ring of kStages shared-memory stages: the stage
+// index and the parity of its mbarriers' current phase, advanced together. Carried as
+// state rather than recomputed from a loop counter, so that a kernel that works through
+// several tiles (a persistent grid) continues the ring where the last tile left it.
+#pragma once
+
+#include <cstdint>
+
+namespace flashattn {
+namespace sm90 {
+
+template <int kStages>
+struct PipelineState {
+  int index = 0;
+  uint32_t phase = 0;  // parity a wait on this stage's "full" barrier expects
+
+  __device__ __forceinline__ void advance() {
+    if (++index == kStages) {
+      index = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+}  // namespace sm90
+}  // namespace flashattn
