@@ -63,6 +63,12 @@ DeviceLimits device_limits(const at::Tensor& q) {
   // Read per call, so that one process can time or test both kernel families.
   const char* disable = std::getenv("FLASHATTN_DISABLE_HOPPER_KERNELS");
   if (disable != nullptr && *disable != '\0' && std::string(disable) != "0") limits.hopper_kernels = false;
+  // static / persistent: force how the Hopper forward walks its tiles (to compare the two);
+  // anything else leaves the choice to the launch layer.
+  const char* scheduler = std::getenv("FLASHATTN_FORWARD_SCHEDULER");
+  if (scheduler != nullptr && std::string(scheduler) == "static") limits.forward_scheduler = ForwardScheduler::kStatic;
+  if (scheduler != nullptr && std::string(scheduler) == "persistent")
+    limits.forward_scheduler = ForwardScheduler::kPersistent;
   return limits;
 }
 

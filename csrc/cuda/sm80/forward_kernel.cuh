@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
   const auto k_smem = [&](int stage) { return q_smem + QTile::kBytes + stage * 2 * KVTile::kBytes; };
   const auto v_smem = [&](int stage) { return k_smem(stage) + KVTile::kBytes; };
 
-  const ForwardBlock blk(params, kBlockM, kBlockN);
+  const ForwardBlock blk(params, ForwardTile::in_plain_order(params, kBlockM, blockIdx.x), kBlockM, kBlockN);
   if (blk.empty) return;
   const int thread = threadIdx.x;
   const int warp = thread / 32, lane = thread % 32;

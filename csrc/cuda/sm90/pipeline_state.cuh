@@ -12,7 +12,11 @@ namespace sm90 {
 template <int kStages>
 struct PipelineState {
   int index = 0;
-  uint32_t phase = 0;  // parity a wait on this stage's "full" barrier expects
+  // The parity a wait on this stage's "full" barrier expects. A producer waits on the stage's
+  // "empty" barrier with phase ^ 1, the phase before: on its first pass over the ring that is
+  // the phase before the barrier's first, which mbarrier.try_wait.parity counts as completed,
+  // so the first kStages waits pass at once without a counter of filled stages.
+  uint32_t phase = 0;
 
   __device__ __forceinline__ void advance() {
     if (++index == kStages) {
