@@ -86,7 +86,9 @@ cudaError_t launch_forward_sm90(const AttentionFwdParams& params, const DeviceLi
   *launched = true;
   const int64_t tiles = ForwardBlock::grid_blocks(params, Shape::kBlockM);
   if (tiles > INT_MAX) return cudaErrorInvalidConfiguration;
-  const int64_t resident_blocks = int64_t(limits.num_sms) * Shape::kBlocksPerSM;
+  const int64_t resident_blocks = limits.forward_persistent_blocks > 0
+                                      ? limits.forward_persistent_blocks
+                                      : int64_t(limits.num_sms) * Shape::kBlocksPerSM;
   const bool persistent = persistent_forward(params, limits.forward_scheduler, tiles, resident_blocks);
   // Longest first only where tiles differ in cost: equal tiles keep the plain order's L2 reuse.
   args.order = persistent && forward_tiles_uneven(params) ? ForwardTileOrder::longest_first(params, Shape::kBlockM)
