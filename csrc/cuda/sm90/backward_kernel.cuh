@@ -83,6 +83,7 @@
 #include "cuda/common/mma_primitives.cuh"
 #include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm90/hopper_primitives.cuh"
+#include "cuda/sm90/pipeline_state.cuh"
 #include "cuda/sm90/wgmma_ops.cuh"
 
 namespace flashattn {
@@ -250,9 +251,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       const int k_batch = SequenceInfo::k_map_batch(p, b), q_batch = SequenceInfo::q_map_batch(p, b);
       sm90::tma_load_tile<Shape::kColumnBlocks>(k_smem, &args.k_map, kv_full, BN, seq.k_offset + n0, h_kv, k_batch);
       sm90::tma_load_tile<Shape::kColumnBlocks>(v_smem, &args.v_map, kv_full, BN, seq.k_offset + n0, h_kv, k_batch);
-      for (int it = 0; it < num_iters; ++it) {
-        const int stage = it % kStages;
-        if (it >= kStages) sm90::mbarrier_wait(empty(stage), ((it / kStages) + 1) & 1);
+      sm90::PipelineState<kStages> write;
+      for (int it = 0; it < num_iters; ++it, write.advance()) {
+        const int stage = write.index;
+        // The consumers free a stage one phase after it was filled.
+        if (it >= kStages) sm90::mbarrier_wait(empty(stage), write.phase ^ 1);
         const int h = h_kv * group + it / num_m;
         const int m0 = seq.q_offset + (m_first + it % num_m) * BM;
         sm90::mbarrier_arrive_expect_bytes(full(stage), Shape::kStageBytes);
@@ -315,8 +318,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
     sm90::mbarrier_wait(kv_full, 0);
   }
-  for (int it = 0; it < num_iters; ++it) {
-    const int stage = it % kStages;
+  sm90::PipelineState<kStages> read;
+  for (int it = 0; it < num_iters; ++it, read.advance()) {
+    const int stage = read.index;
     const int buf = it & 1;
     const int h = h_kv * group + it / num_m;
     const int m0 = (m_first + it % num_m) * BM;
@@ -324,7 +328,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const float next_row_stat = prefetch ? fetch_row_stat(it + 1) : 0.f;
 
     float s[NQ / 2], dp[NQ / 2];  // Sᵀ then Pᵀ; dPᵀ then dSᵀ
-    sm90::mbarrier_wait(full(stage), (it / kStages) & 1);
+    sm90::mbarrier_wait(full(stage), read.phase);
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)
