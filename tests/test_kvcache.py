@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from flashattn_ext import flash_attn_with_kvcache, ops
-from kvcache_inputs import CASES, CASES_BY_NAME, KvcacheCase, make_inputs, seqlens_values
+from kvcache_inputs import CASES, CASES_BY_NAME, KvcacheCase, KvcacheInputs, make_inputs, seqlens_values
 from reference import assert_error_rule, attention_reference
 
 KVCACHE_OP = torch.ops.flashattn_ext.attention_kvcache_forward.default
@@ -205,11 +205,13 @@ def _error_cases():
     base = CASES_BY_NAME["paged16"]
     dense = CASES_BY_NAME["decode_gqa4_rotary_gptj"]
 
-    def change(case, **fields):
+    def change(case, call_kwargs=None, **fields):
+        """The case, a function changing its inputs' fields (a value, or a function of the
+        inputs), and extra keyword arguments of the call."""
         def apply(inputs):
             for name, value in fields.items():
                 setattr(inputs, name, value(inputs) if callable(value) else value)
-        return case, apply
+        return case, apply, call_kwargs or {}
 
     return [
         ("cache_too_short_for_new", *change(dense, cache_seqlens=lambda i: torch.full_like(i.cache_seqlens, 48)),
@@ -261,8 +263,9 @@ def _error_cases():
          RuntimeError, r"rotary_cos and rotary_sin must have a row for every rotated position"),
         ("new_keys_without_seqlens", *change(dense, cache_seqlens=None, rotary_cos=None, rotary_sin=None),
          RuntimeError, r"k_new and v_new need cache_seqlens"),
-        ("alibi_on_cpu", *change(dense), NotImplementedError, None),
-        ("num_splits_negative", *change(dense), RuntimeError, r"num_splits must be >= 0"),
+        ("alibi_on_cpu", *change(dense, dict(alibi_slopes=torch.ones(dense.nheads))), NotImplementedError,
+         r"alibi_slopes is not implemented in flash_attn_with_kvcache on CPU"),
+        ("num_splits_negative", *change(dense, dict(num_splits=-1)), RuntimeError, r"num_splits must be >= 0"),
         ("head_dim_not_multiple_of_8", *change(dense, q=lambda i: i.q[..., :60], k_cache=lambda i: i.k_cache[..., :60],
                                                v_cache=lambda i: i.v_cache[..., :60], k=lambda i: i.k[..., :60],
                                                v=lambda i: i.v[..., :60], rotary_cos=None, rotary_sin=None),
@@ -274,17 +277,13 @@ def _error_cases():
 ERROR_CASES = _error_cases()
 
 
-@pytest.mark.parametrize("name,case,apply,error,message", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
-def test_argument_errors(name, case, apply, error, message):
+@pytest.mark.parametrize("name,case,apply,call_kwargs,error,message", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_argument_errors(name, case, apply, call_kwargs, error, message):
     inputs = make_inputs(case, torch.float32)
     apply(inputs)
-    kwargs = dict(num_splits=-1) if name == "num_splits_negative" else {}
-    if name == "alibi_on_cpu":
-        kwargs = dict(alibi_slopes=torch.ones(case.nheads))
-        message = r"alibi_slopes is not implemented in flash_attn_with_kvcache on CPU"
     k_before, v_before = inputs.k_cache.clone(), inputs.v_cache.clone()
     with pytest.raises(error, match=message):
-        flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.func_kwargs(case), **kwargs)
+        flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.func_kwargs(case), **call_kwargs)
     # A refused call writes nothing.
     assert torch.equal(inputs.k_cache, k_before) and torch.equal(inputs.v_cache, v_before)
 
