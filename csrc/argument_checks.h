@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
+
 namespace flashattn {
 
 inline bool holds(const c10::SymBool& condition) { return condition.guard_bool(__FILE__, __LINE__); }
@@ -38,6 +40,22 @@ inline void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(holds(t.sym_numel() == 0) || holds(t.sym_size(-1) <= 1) || holds(t.sym_stride(-1) == 1),
               "flashattn_ext: ", name, " must be contiguous in its last dimension (head_dim): got stride ",
               t.sym_stride(-1), ", expected 1");
+}
+
+// A per-sequence int32 vector (cu_seqlens: batch + 1; seqused, cache_seqlens, ...: batch),
+// 1-d, contiguous, on q's device; absent is fine.
+inline void check_sequence_tensor(const std::optional<at::Tensor>& t, const char* name,
+                                  const c10::SymInt& expected_len, const char* expected_from, const at::Tensor& q) {
+  if (!t.has_value()) return;
+  check_same_device(*t, name, q);
+  TORCH_CHECK(t->scalar_type() == at::kInt, "flashattn_ext: ", name, " must be int32, got ",
+              t->scalar_type());
+  TORCH_CHECK(t->dim() == 1, "flashattn_ext: ", name, " must have 1 dimension, got shape ",
+              t->sym_sizes());
+  TORCH_CHECK(holds(t->sym_size(0) == expected_len), "flashattn_ext: ", name, " must have ", expected_from,
+              " = ", expected_len, " elements, got ", t->sym_size(0));
+  TORCH_CHECK(holds(t->sym_size(0) <= 1) || holds(t->sym_stride(0) == 1), "flashattn_ext: ", name,
+              " must be contiguous: got stride ", t->sym_stride(0), ", expected 1");
 }
 
 // alibi_slopes: fp32 (nheads,) or (batch, nheads), on q's device, unit-stride rows.

@@ -23,21 +23,6 @@ void check_rank(const at::Tensor& t, const char* name, bool varlen) {
               " dimensions with shape ", t.sym_sizes());
 }
 
-// cu_seqlens (batch + 1) or seqused (batch): int32, 1-d, contiguous, on q's device.
-void check_sequence_tensor(const std::optional<at::Tensor>& t, const char* name,
-                           const c10::SymInt& expected_len, const char* expected_from, const at::Tensor& q) {
-  if (!t.has_value()) return;
-  check_same_device(*t, name, q);
-  TORCH_CHECK(t->scalar_type() == at::kInt, "flashattn_ext: ", name, " must be int32, got ",
-              t->scalar_type());
-  TORCH_CHECK(t->dim() == 1, "flashattn_ext: ", name, " must have 1 dimension, got shape ",
-              t->sym_sizes());
-  TORCH_CHECK(holds(t->sym_size(0) == expected_len), "flashattn_ext: ", name, " must have ", expected_from,
-              " = ", expected_len, " elements, got ", t->sym_size(0));
-  TORCH_CHECK(holds(t->sym_size(0) <= 1) || holds(t->sym_stride(0) == 1), "flashattn_ext: ", name,
-              " must be contiguous: got stride ", t->sym_stride(0), ", expected 1");
-}
-
 c10::SymInt batch_of(const at::Tensor& t, const std::optional<at::Tensor>& cu_seqlens) {
   return cu_seqlens.has_value() ? cu_seqlens->sym_size(0) - 1 : t.sym_size(0);
 }
@@ -142,21 +127,26 @@ void check_forward_inputs(const at::Tensor& q, const at::Tensor& k, const at::Te
   check_size(v, "v", -2, "nheads", k.sym_size(-2), "k");
   check_size(k, "k", -1, "head_dim", head_dim, "q");
   check_size(v, "v", -1, "head_dim", head_dim, "q");
-  TORCH_CHECK(holds(head_dim <= kMaxHeadDim), "flashattn_ext: head_dim (q's last dim) must be at most ",
-              kMaxHeadDim, ", got ", head_dim);
-  TORCH_CHECK(holds(head_dim % kHeadDimAlignment == 0), "flashattn_ext: head_dim (q's last dim) must be a "
-              "multiple of ", kHeadDimAlignment, " (flash_attn_func pads it), got ", head_dim);
-  const c10::SymInt nheads_q = q.sym_size(-2), nheads_kv = k.sym_size(-2);
-  TORCH_CHECK(holds(nheads_kv > 0) || holds(nheads_q == 0), "flashattn_ext: k nheads (dim ", k.dim() - 2,
-              ") must be positive when q has heads, got 0");
-  TORCH_CHECK(holds(nheads_kv == 0) || holds(nheads_q % nheads_kv == 0), "flashattn_ext: q nheads (dim ",
-              q.dim() - 2, ") must be a multiple of k nheads (dim ", k.dim() - 2, "): got ",
-              nheads_q, " and ", nheads_kv);
+  check_heads(q, k, "k", " (flash_attn_func pads it)");
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
   check_sequence_layout(q, k, layout);
   check_options(opts, q, k, backend);
+}
+
+void check_heads(const at::Tensor& q, const at::Tensor& k, const char* k_name, const char* alignment_note) {
+  const c10::SymInt head_dim = q.sym_size(-1);
+  TORCH_CHECK(holds(head_dim <= kMaxHeadDim), "flashattn_ext: head_dim (q's last dim) must be at most ",
+              kMaxHeadDim, ", got ", head_dim);
+  TORCH_CHECK(holds(head_dim % kHeadDimAlignment == 0), "flashattn_ext: head_dim (q's last dim) must be a "
+              "multiple of ", kHeadDimAlignment, alignment_note, ", got ", head_dim);
+  const c10::SymInt nheads_q = q.sym_size(-2), nheads_kv = k.sym_size(-2);
+  TORCH_CHECK(holds(nheads_kv > 0) || holds(nheads_q == 0), "flashattn_ext: ", k_name, " nheads (dim ",
+              k.dim() - 2, ") must be positive when q has heads, got 0");
+  TORCH_CHECK(holds(nheads_kv == 0) || holds(nheads_q % nheads_kv == 0), "flashattn_ext: q nheads (dim ",
+              q.dim() - 2, ") must be a multiple of ", k_name, " nheads (dim ", k.dim() - 2, "): got ",
+              nheads_q, " and ", nheads_kv);
 }
 
 void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,

@@ -61,6 +61,11 @@ struct BackendFeatures {
 void check_forward_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const AttentionOptions& opts, const BackendFeatures& backend);
 
+// head_dim (q's last dim) within the kernels' limits (alignment_note: what the Python
+// function does about a misaligned one), and q's nheads (dim -2) a multiple of k's (MQA/GQA);
+// k_name names k in the messages. Part of check_forward_inputs, shared by the KV cache op.
+void check_heads(const at::Tensor& q, const at::Tensor& k, const char* k_name, const char* alignment_note);
+
 // The forward checks, plus dout/out/lse against q.
 void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,

@@ -25,19 +25,6 @@ void check_rank4(const at::Tensor& t, const char* name, const char* layout) {
               t.dim(), " dimensions with shape ", t.sym_sizes());
 }
 
-// cache_seqlens, cache_batch_idx, cache_leftpad: int32 (batch,), contiguous, on q's device.
-void check_per_sequence_tensor(const std::optional<at::Tensor>& t, const char* name,
-                               const c10::SymInt& batch, const at::Tensor& q) {
-  if (!t.has_value()) return;
-  check_same_device(*t, name, q);
-  TORCH_CHECK(t->scalar_type() == at::kInt, "flashattn_ext: ", name, " must be int32, got ",
-              t->scalar_type());
-  TORCH_CHECK(t->dim() == 1 && holds(t->sym_size(0) == batch), "flashattn_ext: ", name,
-              " must have shape (batch,) = (", batch, ",), got ", t->sym_sizes());
-  TORCH_CHECK(holds(t->sym_size(0) <= 1) || holds(t->sym_stride(0) == 1), "flashattn_ext: ", name,
-              " must be contiguous: got stride ", t->sym_stride(0), ", expected 1");
-}
-
 void check_new_keys(const at::Tensor& q, const at::Tensor& k_cache, const KvcacheOptions& opts) {
   TORCH_CHECK(opts.k_new.has_value() == opts.v_new.has_value(),
               "flashattn_ext: k_new and v_new (flash_attn_with_kvcache's k and v) must be given together: got ",
@@ -62,9 +49,9 @@ void check_new_keys(const at::Tensor& q, const at::Tensor& k_cache, const Kvcach
 
 void check_cache_layout(const at::Tensor& q, const at::Tensor& k_cache, const KvcacheOptions& opts) {
   const c10::SymInt batch = q.sym_size(0);
-  check_per_sequence_tensor(opts.cache_seqlens, "cache_seqlens", batch, q);
-  check_per_sequence_tensor(opts.cache_batch_idx, "cache_batch_idx", batch, q);
-  check_per_sequence_tensor(opts.cache_leftpad, "cache_leftpad", batch, q);
+  check_sequence_tensor(opts.cache_seqlens, "cache_seqlens", batch, "batch", q);
+  check_sequence_tensor(opts.cache_batch_idx, "cache_batch_idx", batch, "batch", q);
+  check_sequence_tensor(opts.cache_leftpad, "cache_leftpad", batch, "batch", q);
   if (opts.paged()) {
     TORCH_CHECK(!opts.cache_batch_idx.has_value(), "flashattn_ext: cache_batch_idx cannot be combined with "
                 "block_table (block_table[b] already names the blocks of sequence b), got both");
@@ -153,17 +140,8 @@ void check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const 
   const char* cache_dims[] = {opts.paged() ? "num_blocks" : "batch_cache",
                               opts.paged() ? "page_size" : "seqlen_cache", "nheads", "head_dim"};
   for (int64_t d = 0; d < 4; ++d) check_size(v_cache, "v_cache", d, cache_dims[d], k_cache.sym_size(d), "k_cache");
-  const c10::SymInt head_dim = q.sym_size(3);
-  check_size(k_cache, "k_cache", 3, "head_dim", head_dim, "q");
-  TORCH_CHECK(holds(head_dim <= kMaxHeadDim), "flashattn_ext: head_dim (q's last dim) must be at most ",
-              kMaxHeadDim, ", got ", head_dim);
-  TORCH_CHECK(holds(head_dim % kHeadDimAlignment == 0), "flashattn_ext: head_dim (q's last dim) must be a "
-              "multiple of ", kHeadDimAlignment, ", got ", head_dim);
-  const c10::SymInt nheads_q = q.sym_size(2), nheads_kv = k_cache.sym_size(2);
-  TORCH_CHECK(holds(nheads_kv > 0) || holds(nheads_q == 0), "flashattn_ext: k_cache nheads (dim 2) must be "
-              "positive when q has heads, got 0");
-  TORCH_CHECK(holds(nheads_kv == 0) || holds(nheads_q % nheads_kv == 0), "flashattn_ext: q nheads (dim 2) must "
-              "be a multiple of k_cache nheads (dim 2): got ", nheads_q, " and ", nheads_kv);
+  check_size(k_cache, "k_cache", 3, "head_dim", q.sym_size(3), "q");
+  check_heads(q, k_cache, "k_cache", " (flash_attn_with_kvcache cannot pad it: the caches are written in place)");
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k_cache, "k_cache");
   check_last_dim_contiguous(v_cache, "v_cache");
