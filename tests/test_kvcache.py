@@ -357,6 +357,34 @@ def test_kvcache_cuda(case, dtype, num_splits):
         pytest.skip(str(error))
 
 
+# Caches of many key blocks (the CUDA kernel's blocks are 64 or 32 keys), so that every
+# split has blocks of its own, runs of them end mid-sequence and mid-page, and short
+# sequences leave late splits empty.
+LONG_CUDA_CASES = [
+    KvcacheCase("long_decode_gqa4_d128", batch=3, nheads=16, nheads_kv=4, head_dim=128, capacity=4096,
+                rotary_dim=64),
+    KvcacheCase("long_chunk_paged64_gqa8_d64", batch=2, seqlen_q=40, seqlen_new=40, nheads=8, nheads_kv=1,
+                head_dim=64, capacity=2048, page_size=64, rotary_dim=32, rotary_interleaved=False),
+    KvcacheCase("long_paged16_leftpad_d256", batch=2, seqlen_q=3, seqlen_new=3, nheads=4, nheads_kv=2,
+                head_dim=256, capacity=1024, page_size=16, leftpad=True),
+    KvcacheCase("long_batch_idx_d96", batch=2, seqlen_q=2, seqlen_new=2, nheads=6, nheads_kv=3,
+                head_dim=96, capacity=1440, batch_idx=True),
+    KvcacheCase("long_paged48_d128", batch=2, seqlen_q=1, seqlen_new=1, nheads=8, nheads_kv=2, head_dim=128,
+                capacity=1440, page_size=48),
+    KvcacheCase("long_window_d128", batch=2, seqlen_q=8, seqlen_new=8, causal=False, window=(300, 0), nheads=8,
+                nheads_kv=8, head_dim=128, capacity=3000),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda_kernel
+@pytest.mark.parametrize("num_splits", (0, 1, 3, 16, 200))
+@pytest.mark.parametrize("case", LONG_CUDA_CASES, ids=str)
+def test_kvcache_cuda_long(case, num_splits):
+    poison_outputs()
+    check_call(case, torch.bfloat16, "cuda", num_splits)
+
+
 @pytest.mark.gpu
 @needs_cuda_kernel
 @pytest.mark.parametrize("paged", (False, True), ids=("dense", "paged"))
