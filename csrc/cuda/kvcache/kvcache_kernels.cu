@@ -24,6 +24,7 @@ int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows,
   const int key_blocks = std::max(1, (cache_rows + kPlanBlockN - 1) / kPlanBlockN);
   if (requested > 0) return std::min({requested, key_blocks, kMaxSplits});
   const int64_t tiles = int64_t(batch) * nheads_kv * ((packed_rows + kPlanBlockM - 1) / kPlanBlockM);
+  if (tiles == 0) return 1;
   const int64_t wanted = (2 * int64_t(num_sms) + tiles - 1) / tiles;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({wanted, key_blocks / 4, kMaxSplits})));
 }
