@@ -55,3 +55,24 @@ def test_run_all_preflight_finds_the_installed_package(tmp_path):
     assert proc.returncode == 0, output
     assert "DRY RUN on cpu" in output
     assert (tmp_path / "out" / "environment.json").read_text().startswith("{")
+
+
+def test_bench_decode_cpu_dry_run(tmp_path):
+    """flash_attn_with_kvcache on contiguous and paged caches, checked before it is timed."""
+    proc = run([sys.executable, "benchmarks/bench_decode.py", "--quick", "--device", "cpu", "--batches", "2",
+                "--kv-lens", "256", "--kv-heads", "2", "--impls", "ours", "sdpa_math",
+                "--out", str(tmp_path / "out")], tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "check ours b=2 kv=256 hkv=2:" in output and "check ours_paged16 b=2" in output
+    assert "FAILED" not in output
+    assert (tmp_path / "out" / "decode.csv").read_text().count("ours_paged16") == 1
+
+
+def test_bench_prefill_cpu_dry_run(tmp_path):
+    proc = run([sys.executable, "benchmarks/bench_prefill.py", "--quick", "--device", "cpu",
+                "--out", str(tmp_path / "out")], tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "kvcache / dense" in output
+    assert (tmp_path / "out" / "prefill.csv").is_file()
