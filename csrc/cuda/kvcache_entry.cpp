@@ -19,6 +19,17 @@
 namespace flashattn {
 namespace {
 
+struct KvcacheTileInfoReader {
+  DeviceLimits limits;
+  KvcacheTileInfo* info;
+
+  template <int W>
+  cudaError_t launch() const {
+    *info = kvcache_tile_info<W>(limits);
+    return cudaSuccess;
+  }
+};
+
 struct KvcacheAttentionLauncher {
   const KvcacheFwdParams& params;
   DeviceLimits limits;
@@ -101,8 +112,12 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   p.cache_leftpad = int_data(opts.cache_leftpad);
   p.group = group;
   p.packed_rows = static_cast<int>(packed_rows);
+  KvcacheTileInfo tile{};
+  cudaError_t status = cudaSuccess;
+  if (!dispatch_head_dim_tile(p.head_dim, KvcacheTileInfoReader{limits, &tile}, &status))
+    fail_head_dim_not_compiled(p.head_dim);
   p.num_splits = kvcache_num_splits(static_cast<int>(opts.num_splits), p.batch, p.nheads_kv, p.packed_rows,
-                                    p.seqlen_k, limits.num_sms);
+                                    p.seqlen_k, tile, limits.num_sms);
   const at::Tensor out_partial =
       at::empty({p.num_splits, sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim}, q.options().dtype(at::kFloat));
   const at::Tensor lse_partial =
@@ -132,7 +147,6 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   }
   check_cuda_status(launch_kvcache_prepare(p, prep, stream), "the KV-cache prepare kernel launch");
   if (out.numel() == 0) return {out, lse};
-  cudaError_t status = cudaSuccess;
   const KvcacheAttentionLauncher launcher{p, limits, stream};
   if (!dispatch_head_dim_tile(p.head_dim, launcher, &status)) fail_head_dim_not_compiled(p.head_dim);
   check_cuda_status(status, "the KV-cache attention kernel launch");

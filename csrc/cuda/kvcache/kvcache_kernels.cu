@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "cuda/common/kernel_launch.cuh"
 #include "cuda/kvcache/combine_kernel.cuh"
@@ -14,19 +15,29 @@ namespace {
 
 constexpr int kRowsPerBlock = 4;  // one warp per row
 constexpr int kMaxSplits = 128;
-constexpr int kPlanBlockM = 64, kPlanBlockN = 64;  // KvcacheTilePlan's primary tile
 
 int64_t blocks_for_rows(int64_t rows) { return (rows + kRowsPerBlock - 1) / kRowsPerBlock; }
 
 }  // namespace
 
-int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows, int num_sms) {
-  const int key_blocks = std::max(1, (cache_rows + kPlanBlockN - 1) / kPlanBlockN);
+int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows,
+                       const KvcacheTileInfo& tile, int num_sms) {
+  const int key_blocks = std::max(1, (cache_rows + tile.block_n - 1) / tile.block_n);
   if (requested > 0) return std::min({requested, key_blocks, kMaxSplits});
-  const int64_t tiles = int64_t(batch) * nheads_kv * ((packed_rows + kPlanBlockM - 1) / kPlanBlockM);
-  if (tiles == 0) return 1;
-  const int64_t wanted = (2 * int64_t(num_sms) + tiles - 1) / tiles;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({wanted, key_blocks / 4, kMaxSplits})));
+  const int64_t tiles = int64_t(batch) * nheads_kv * ((packed_rows + tile.block_m - 1) / tile.block_m);
+  const int64_t slots = int64_t(num_sms) * tile.blocks_per_sm;
+  const int max_splits = std::min(kMaxSplits, key_blocks / 4);
+  if (tiles == 0 || tiles * 5 >= slots * 4 || max_splits <= 1) return 1;
+  // The fraction of the last wave's slots that work: a grid of 1.1 waves runs as long as 2.
+  const auto wave_fill = [&](int splits) {
+    const double waves = double(tiles * splits) / double(slots);
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int splits = 1; splits <= max_splits; ++splits) best = std::max(best, wave_fill(splits));
+  for (int splits = 1; splits <= max_splits; ++splits)
+    if (wave_fill(splits) >= 0.85 * best) return splits;
+  return 1;
 }
 
 cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,

@@ -24,6 +24,23 @@ struct KvcacheTilePlan {
   using Fallback = ForwardTileShape<W, 32, 32, 2>;
 };
 
+template <int W>
+KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits) {
+  const auto info = [&](auto shape) {
+    using Shape = decltype(shape);
+    const auto kernel = kvcache_forward_kernel<__nv_bfloat16, Shape>;
+    int blocks = 1;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape::kThreads, Shape::kSmemBytes) !=
+            cudaSuccess)
+      blocks = 1;
+    return KvcacheTileInfo{Shape::kBlockM, Shape::kBlockN, blocks > 0 ? blocks : 1};
+  };
+  using Plan = KvcacheTilePlan<W>;
+  if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block) return info(typename Plan::Primary{});
+  return info(typename Plan::Fallback{});
+}
+
 template <typename Element, int W>
 cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream) {
@@ -40,6 +57,7 @@ cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const Devic
 }
 
 #define FLASHATTN_INSTANTIATE_KVCACHE(W)                                                          \
+  template KvcacheTileInfo kvcache_tile_info<W>(const DeviceLimits&);                             \
   template cudaError_t launch_kvcache_attention<__nv_bfloat16, W>(const KvcacheFwdParams&,       \
                                                                   const DeviceLimits&, cudaStream_t); \
   template cudaError_t launch_kvcache_attention<__half, W>(const KvcacheFwdParams&, const DeviceLimits&, \

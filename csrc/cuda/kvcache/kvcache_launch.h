@@ -11,11 +11,22 @@
 
 namespace flashattn {
 
+// The tile the attention kernel of width W runs on this device, and how many of its
+// thread blocks an SM holds at once.
+struct KvcacheTileInfo {
+  int block_m, block_n, blocks_per_sm;
+};
+template <int W>
+KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits);
+
 // The splits of the key blocks for a call whose shapes are these (never its values, so a
 // captured CUDA graph stays right when cache_seqlens changes): `requested` > 0 is taken
-// (at most one split per key block of the cache's capacity); 0 chooses enough splits that
-// the grid gives every SM two thread blocks, each split at least four key blocks long.
-int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows, int num_sms);
+// (at most one split per key block of the cache's capacity, at most 128); 0 keeps one
+// split when the tiles already fill the device, else takes the fewest splits whose grid
+// fills the SMs' block slots in whole waves (within 85 % of the best such fill), each
+// split at least four key blocks long.
+int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows,
+                       const KvcacheTileInfo& tile, int num_sms);
 
 // Rotary embedding and the packed-GQA copy of q; the new rows into the cache.
 cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,
