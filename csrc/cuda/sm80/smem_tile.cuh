@@ -55,18 +55,8 @@ struct SmemTile {
       }
     } else {
       // Widths whose rows don't divide the block (W = 96, 192): chunk by chunk.
-      constexpr int kChunks = kRows * kChunksPerRow;
-#pragma unroll
-      for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
-        const int chunk = thread + it * kThreads;
-        if (kChunks % kThreads == 0 || chunk < kChunks) {
-          const int row = chunk / kChunksPerRow;
-          const int col = (chunk % kChunksPerRow) * 8;
-          const bool in_range = row < valid_rows && col < head_dim;
-          cp_async_16(address(smem_base, row, col), in_range ? gmem + row * row_stride + col : gmem,
-                      in_range);
-        }
-      }
+      load_rows_async<kThreads>(smem_base, [&](int row) { return gmem + row * row_stride; }, valid_rows,
+                                head_dim, thread);
     }
   }
   // The same for rows that are not evenly strided (a paged KV cache): row r of the tile
@@ -83,8 +73,7 @@ struct SmemTile {
         const int row = chunk / kChunksPerRow;
         const int col = (chunk % kChunksPerRow) * 8;
         const bool in_range = row < valid_rows && col < head_dim;
-        const auto* src = row_pointer(in_range ? row : 0);
-        cp_async_16(address(smem_base, row, col), in_range ? src + col : src, in_range);
+        cp_async_16(address(smem_base, row, col), in_range ? row_pointer(row) + col : row_pointer(0), in_range);
       }
     }
   }
