@@ -23,6 +23,13 @@ struct KvcacheTilePlan {
   using Primary = ForwardTileShape<W, 64, 64, 4>;
   using Fallback = ForwardTileShape<W, 32, 32, 2>;
 };
+// W = 256: 32-key blocks (16 in the 2-warp fallback), whose S tile and copy loops leave
+// the registers for the O accumulator and the page lookups (larger blocks spilled).
+template <>
+struct KvcacheTilePlan<256> {
+  using Primary = ForwardTileShape<256, 64, 32, 4>;
+  using Fallback = ForwardTileShape<256, 32, 16, 2>;
+};
 
 template <int W>
 KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits) {
