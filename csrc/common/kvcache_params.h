@@ -22,8 +22,10 @@ struct KvcacheFwdParams : AttentionFwdParams {
   const int* cache_leftpad;
 
   // Packed GQA: the `group` query heads of one KV head are rows of one tile, row r of KV
-  // head h being query position r / group of head h * group + r % group. q is
-  // (batch, nheads_kv, seqlen_q * group, head_dim), written so by the prepare kernel.
+  // head h being query position r / group of head h * group + r % group. q_strides step
+  // batch entries, packed rows and KV heads: those of a packed copy (batch, nheads_kv,
+  // seqlen_q * group, head_dim) written by the prepare kernel, or of q itself where its
+  // packed rows lie at one stride.
   int group;
   int packed_rows;  // seqlen_q * group
 
@@ -39,7 +41,7 @@ struct KvcacheFwdParams : AttentionFwdParams {
 struct KvcachePrepareParams {
   const void* q;  // (batch, seqlen_q, nheads, head_dim) with q_strides
   TensorStrides q_strides;
-  void* q_packed;  // KvcacheFwdParams::q
+  void* q_packed;  // KvcacheFwdParams::q, or nullptr where the attention kernel reads q itself
   const void* k_new;  // (batch, seqlen_new, nheads_kv, head_dim), or nullptr
   const void* v_new;
   TensorStrides k_new_strides, v_new_strides;

@@ -70,15 +70,26 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
 
   const int group = static_cast<int>(sizes.nheads_q / sizes.nheads_kv);
   const int64_t packed_rows = sizes.seqlen_q * group;
-  const at::Tensor q_packed = at::empty({sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim}, q.options());
+  // The attention kernel reads q in place where its packed rows lie at one stride (one
+  // query row: packed row r of KV head h is query head h * group + r; or one query head per
+  // KV head); otherwise, and to rotate it, the prepare kernel writes a packed copy.
+  const bool copy_q = opts.rotary_cos.has_value() || (group > 1 && sizes.seqlen_q > 1);
+  const at::Tensor q_read =
+      copy_q ? at::empty({sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim}, q.options())
+             : with_16_byte_rows(q);
   // The keys each sequence ends at (the new rows included); absent: whole cache rows.
   std::optional<at::Tensor> seqused_k;
   if (opts.cache_seqlens.has_value())
     seqused_k = (*opts.cache_seqlens + sizes.seqlen_new).to(at::kInt);
 
   KvcacheFwdParams p{};
-  p.q = q_packed.data_ptr();
-  p.q_strides = TensorStrides{q_packed.stride(0), q_packed.stride(2), q_packed.stride(1)};
+  p.q = q_read.data_ptr();
+  if (copy_q)
+    p.q_strides = TensorStrides{q_read.stride(0), q_read.stride(2), q_read.stride(1)};
+  else if (sizes.seqlen_q == 1)
+    p.q_strides = TensorStrides{q_read.stride(0), q_read.stride(2), group * q_read.stride(2)};
+  else
+    p.q_strides = strides_of(q_read);
   p.k = k_cache.data_ptr();
   p.v = v_cache.data_ptr();
   p.k_strides = strides_of(k_cache);
@@ -128,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   KvcachePrepareParams prep{};
   prep.q = q.data_ptr();
   prep.q_strides = strides_of(q);
-  prep.q_packed = q_packed.data_ptr();
+  prep.q_packed = copy_q ? q_read.data_ptr() : nullptr;
   if (opts.appends()) {
     prep.k_new = opts.k_new->data_ptr();
     prep.v_new = opts.v_new->data_ptr();

@@ -42,7 +42,7 @@ int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows,
 
 cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,
                                    cudaStream_t stream) {
-  const int64_t rows = int64_t(attn.batch) * attn.seqlen_q * attn.nheads_q +
+  const int64_t rows = (prepare.q_packed != nullptr ? int64_t(attn.batch) * attn.seqlen_q * attn.nheads_q : 0) +
                        (prepare.cache_seqlens != nullptr ? int64_t(attn.batch) * prepare.seqlen_new * attn.nheads_kv : 0);
   const int64_t blocks = blocks_for_rows(rows);
   if (blocks == 0) return cudaSuccess;

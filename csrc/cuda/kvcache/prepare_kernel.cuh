@@ -1,6 +1,7 @@
 // Before the KV-cache attention: each query row rotated (rotary embedding) and written
-// into the packed-GQA layout the attention kernel reads, and each new key / value row
-// (the key rotated) written into the cache at its position. One warp per row.
+// into the packed-GQA layout the attention kernel reads (where q is not read in place),
+// and each new key / value row (the key rotated) written into the cache at its position.
+// One warp per row.
 #pragma once
 
 #include <cstdint>
@@ -49,7 +50,7 @@ __global__ void kvcache_prepare_kernel(const __grid_constant__ KvcacheFwdParams 
                                        const __grid_constant__ KvcachePrepareParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t q_rows = int64_t(attn.batch) * attn.seqlen_q * attn.nheads_q;
+  const int64_t q_rows = p.q_packed != nullptr ? int64_t(attn.batch) * attn.seqlen_q * attn.nheads_q : 0;
   const int64_t new_rows = p.cache_seqlens != nullptr ? int64_t(attn.batch) * p.seqlen_new * attn.nheads_kv : 0;
   const int head_dim = attn.head_dim;
   const auto clamp_position = [&](int position) {
