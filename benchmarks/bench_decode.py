@@ -86,7 +86,7 @@ def as_cache(s, page_size, gen):
         s.k_cache, s.v_cache = s.k, s.v
         return s
     pages_per_row = kv_len // page_size
-    order = torch.randperm(batch * pages_per_row, generator=gen, device="cpu").to(s.k.device)
+    order = torch.randperm(batch * pages_per_row, generator=gen, device=s.k.device)
     s.block_table = order.view(batch, pages_per_row).to(torch.int32)
     for name in ("k", "v"):
         t = getattr(s, name)

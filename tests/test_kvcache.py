@@ -411,9 +411,12 @@ def test_cuda_graph_decode_step(paged):
         out, lse = step()
     for seed in (1, 2, 3):
         fresh = make_inputs(case, dtype, "cuda", seed=seed)
-        for name in ("q", "k_cache", "v_cache", "k", "v"):
-            getattr(static, name).copy_(getattr(fresh, name))
-        static.cache_seqlens.copy_(fresh.cache_seqlens)
+        # Every tensor the graph reads gets the new inputs' values (the block table and the
+        # rotary tables are drawn anew with the seed too).
+        for field in dataclasses.fields(static):
+            tensor = getattr(static, field.name)
+            if isinstance(tensor, torch.Tensor):
+                tensor.copy_(getattr(fresh, field.name))
         seqlens = seqlens_values(case, torch.Generator().manual_seed(seed))
         expected_k, expected_v, written = expected_caches(case, fresh, seqlens)
         ref = reference_attention(case, fresh, expected_k, expected_v, seqlens, torch.float64)

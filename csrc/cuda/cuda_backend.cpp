@@ -69,7 +69,6 @@ DeviceLimits device_limits(const at::Tensor& q) {
   // launch layer.
   const char* scheduler_env = std::getenv("FLASHATTN_FORWARD_SCHEDULER");
   const std::string scheduler = scheduler_env != nullptr ? scheduler_env : "";
-  if (scheduler == "static") limits.forward_scheduler = ForwardScheduler::kStatic;
   if (scheduler.rfind("persistent", 0) == 0) {
     limits.forward_scheduler = ForwardScheduler::kPersistent;
     if (scheduler.size() > 11 && scheduler[10] == ':')

@@ -13,21 +13,27 @@
 
 namespace flashattn {
 
-// Decoding reads K and V once and computes little: 64-row tiles (decoding's packed rows
-// are the GQA group, a handful) keep the tensor work per key block well under its copy
-// time, and two 64-key stages leave room for two thread blocks per SM on sm_90 (W <= 128),
-// so one block's copies run while the other computes. Fallback: devices whose
-// shared-memory opt-in is small (sm_86/89: 99 KB) and sm_80 at W = 256.
+// Decoding reads K and V once and computes little: the kernel is bound by its copies, and a
+// copy that lands later than the loop needs it stalls every warp. 64-row tiles (decoding's
+// packed rows are the GQA group, a handful) keep the tensor work per key block well under
+// its copy time, and four K/V stages keep three key blocks in flight per thread block while
+// it computes one (two stages, one block in flight, read 1.9 TB/s of the H200's 4.3 on
+// every decoding shape: benchmarks/RESULTS.md). W = 192: three stages (four do not fit);
+// W = 256: 32-key blocks (64 spilled). Fallback: devices whose shared-memory opt-in is
+// small (sm_86/89: 99 KB), two stages of 32-key blocks (16 at W = 256) on 2 warps.
 template <int W>
 struct KvcacheTilePlan {
-  using Primary = ForwardTileShape<W, 64, 64, 4>;
+  using Primary = ForwardTileShape<W, 64, 64, 4, W / 16, 4>;
   using Fallback = ForwardTileShape<W, 32, 32, 2>;
 };
-// W = 256: 32-key blocks (16 in the 2-warp fallback), whose S tile and copy loops leave
-// the registers for the O accumulator and the page lookups (larger blocks spilled).
+template <>
+struct KvcacheTilePlan<192> {
+  using Primary = ForwardTileShape<192, 64, 64, 4, 12, 3>;
+  using Fallback = ForwardTileShape<192, 32, 32, 2>;
+};
 template <>
 struct KvcacheTilePlan<256> {
-  using Primary = ForwardTileShape<256, 64, 32, 4>;
+  using Primary = ForwardTileShape<256, 64, 32, 4, 16, 4>;
   using Fallback = ForwardTileShape<256, 32, 16, 2>;
 };
 

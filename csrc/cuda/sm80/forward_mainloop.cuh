@@ -40,7 +40,8 @@ namespace flashattn {
 // unrolling lets the compiler hoist every fragment load; with two m16 tiles per
 // warp that can exhaust the 255 registers, and a partly rolled loop costs only
 // an address add per step.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kScoreKUnroll_ = kHeadDim_ / 16>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kScoreKUnroll_ = kHeadDim_ / 16,
+          int kStages_ = 2>
 struct ForwardTileShape {
   static constexpr int kScoreKUnroll = kScoreKUnroll_;
   static constexpr int kHeadDim = kHeadDim_;  // compiled width W (>= the problem's head_dim)
@@ -54,12 +55,14 @@ struct ForwardTileShape {
   static constexpr int kDTiles = kHeadDim / 8;       // n8 tiles of O per m16 tile
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KVTile = SmemTile<kBlockN, kHeadDim>;
-  // K/V blocks in flight: with two, the copy of block j+1 has all of block j's
-  // compute to land in, instead of one GEMM as with FlashAttention-2's single buffers.
-  static constexpr int kStages = 2;
+  // K/V stages: with two, the copy of block j+1 has all of block j's compute to land in,
+  // instead of one GEMM as with FlashAttention-2's single buffers; more keep more bytes in
+  // flight, which a kernel bound by the copy (decoding) needs.
+  static constexpr int kStages = kStages_;
   static constexpr int kSmemBytes = QTile::kBytes + kStages * 2 * KVTile::kBytes;
   static_assert(kRowsPerWarp % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "mma k-steps are 16 wide");
+  static_assert(kStages >= 2, "the loop issues a block's copy while it computes the one before");
 };
 
 // A warp's rows: the O accumulator and the running max (log2 domain) and sum (this

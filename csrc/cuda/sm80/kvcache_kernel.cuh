@@ -13,7 +13,7 @@
 namespace flashattn {
 
 template <typename Element, typename Shape>
-__global__ void __launch_bounds__(Shape::kThreads)
+__global__ void __launch_bounds__(Shape::kThreads, 1)
     kvcache_forward_kernel(const __grid_constant__ KvcacheFwdParams params) {
   using QTile = typename Shape::QTile;
   using KVTile = typename Shape::KVTile;

@@ -55,16 +55,14 @@ inline bool forward_tiles_uneven(const AttentionFwdParams& params) {
 
 // Whether the Hopper forward runs persistent (a grid of resident blocks that walk the tiles,
 // longest first where tiles differ in cost) rather than one block per tile: the one place
-// this is chosen. FLASHATTN_FORWARD_SCHEDULER (DeviceLimits::forward_scheduler) forces
-// either. By default persistent where the tiles' costs differ (causal, windows, variable
-// lengths: the longest-first order shortens the tail that the static grid's last, lightest
-// blocks leave) and there is more than one wave of them; dense non-causal calls keep the
-// static grid, whose blocks all cost the same.
-inline bool persistent_forward(const AttentionFwdParams& params, ForwardScheduler scheduler, int64_t tiles,
-                               int64_t resident_blocks) {
+// this is chosen. FLASHATTN_FORWARD_SCHEDULER=persistent (DeviceLimits::forward_scheduler)
+// selects it. The default is the static grid: measured side by side on the H200
+// (benchmarks/RESULTS.md, 2026-12-03 12:35 UTC), persistent-by-default for causal calls ran
+// d 128 causal N 1024 6 % faster but N 4096 and 16384 11-13 % slower, and dense non-causal
+// within noise.
+inline bool persistent_forward(ForwardScheduler scheduler, int64_t tiles, int64_t resident_blocks) {
   if (resident_blocks < 1 || tiles + resident_blocks > INT_MAX) return false;  // TileWalk's indices stay in int
-  if (scheduler != ForwardScheduler::kAuto) return scheduler == ForwardScheduler::kPersistent;
-  return forward_tiles_uneven(params) && tiles > resident_blocks;
+  return scheduler == ForwardScheduler::kPersistent;
 }
 
 // Launches the Hopper kernel, or sets *launched = false (and launches nothing)
@@ -89,7 +87,7 @@ cudaError_t launch_forward_sm90(const AttentionFwdParams& params, const DeviceLi
   const int64_t resident_blocks = limits.forward_persistent_blocks > 0
                                       ? limits.forward_persistent_blocks
                                       : int64_t(limits.num_sms) * Shape::kBlocksPerSM;
-  const bool persistent = persistent_forward(params, limits.forward_scheduler, tiles, resident_blocks);
+  const bool persistent = persistent_forward(limits.forward_scheduler, tiles, resident_blocks);
   // Longest first only where tiles differ in cost: equal tiles keep the plain order's L2 reuse.
   args.order = persistent && forward_tiles_uneven(params) ? ForwardTileOrder::longest_first(params, Shape::kBlockM)
                                                           : ForwardTileOrder::plain(params, Shape::kBlockM);
