@@ -116,6 +116,10 @@ struct CacheSequence {
   FLASHATTN_HOST_DEVICE T* k_row(T* base, const TensorStrides& s, int head, int j) const {
     return cache_element(base, s, head, leftpad + j);
   }
+  // Whether keys [j, j + n) lie at one row stride: a contiguous cache, or all in one page.
+  FLASHATTN_HOST_DEVICE bool rows_strided(int j, int n) const {
+    return pages == nullptr || (leftpad + j) % page_size + n <= page_size;
+  }
 
  private:
   FLASHATTN_HOST_DEVICE static int clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }

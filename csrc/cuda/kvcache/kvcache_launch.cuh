@@ -13,27 +13,26 @@
 
 namespace flashattn {
 
-// Decoding reads K and V once and computes little: the kernel is bound by its copies, and a
-// copy that lands later than the loop needs it stalls every warp. 64-row tiles (decoding's
-// packed rows are the GQA group, a handful) keep the tensor work per key block well under
-// its copy time, and four K/V stages keep three key blocks in flight per thread block while
-// it computes one (two stages, one block in flight, read 1.9 TB/s of the H200's 4.3 on
-// every decoding shape: benchmarks/RESULTS.md). W = 192: three stages (four do not fit);
-// W = 256: 32-key blocks (64 spilled). Fallback: devices whose shared-memory opt-in is
-// small (sm_86/89: 99 KB), two stages of 32-key blocks (16 at W = 256) on 2 warps.
+// Decoding reads K and V once and computes little: 64-row tiles (decoding's packed rows
+// are the GQA group, a handful) keep the tensor work per key block well under its copy
+// time, and two 64-key stages leave room for two thread blocks per SM (W <= 128), one
+// copying while the other computes. (Four stages, one block per SM, read 1.2 TB/s where
+// two stages read 1.9: benchmarks/RESULTS.md.) W = 192, 256: 32-key blocks (64 spilled).
+// Fallback: devices whose shared-memory opt-in is small (sm_86/89: 99 KB), 32-key blocks
+// (16 at W = 256) on 2 warps.
 template <int W>
 struct KvcacheTilePlan {
-  using Primary = ForwardTileShape<W, 64, 64, 4, W / 16, 4>;
+  using Primary = ForwardTileShape<W, 64, 64, 4>;
   using Fallback = ForwardTileShape<W, 32, 32, 2>;
 };
 template <>
 struct KvcacheTilePlan<192> {
-  using Primary = ForwardTileShape<192, 64, 64, 4, 12, 3>;
+  using Primary = ForwardTileShape<192, 64, 32, 4>;
   using Fallback = ForwardTileShape<192, 32, 32, 2>;
 };
 template <>
-struct KvcacheTilePlan<256> {
-  using Primary = ForwardTileShape<256, 64, 32, 4, 16, 4>;
+struct KvcacheTilePlan<256> {  // the score loop half unrolled
+  using Primary = ForwardTileShape<256, 64, 32, 4, 8>;
   using Fallback = ForwardTileShape<256, 32, 16, 2>;
 };
 

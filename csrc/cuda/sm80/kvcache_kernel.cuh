@@ -32,14 +32,22 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     QTile::template load_async<Shape::kThreads>(smem_q, q_ptr, params.q_strides.row, blk.valid_rows,
                                                 params.head_dim, thread);
   };
+  // A key block within one run of rows (a contiguous cache, or one page) copies by the
+  // strided loop, one address per thread and pass; only a block across pages looks up each
+  // row's page (per-row addressing cost the decoding kernel half its bandwidth).
+  const auto load_cache_tile = [&](uint32_t tile_smem, const Element* cache, const TensorStrides& strides, int n0) {
+    const int rows = seq.seqlen_k - n0;
+    if (seq.rows_strided(n0, Shape::kBlockN))
+      KVTile::template load_async<Shape::kThreads>(tile_smem, seq.k_row(cache, strides, blk.kv_head, n0), strides.row,
+                                                   rows, params.head_dim, thread);
+    else
+      KVTile::template load_rows_async<Shape::kThreads>(
+          tile_smem, [&](int r) { return seq.k_row(cache, strides, blk.kv_head, n0 + r); }, rows, params.head_dim,
+          thread);
+  };
   const auto load_kv_block = [&](uint32_t kv_smem, int n_block) {
-    const int n0 = n_block * Shape::kBlockN;
-    KVTile::template load_rows_async<Shape::kThreads>(
-        kv_smem, [&](int r) { return seq.k_row(k_cache, params.k_strides, blk.kv_head, n0 + r); },
-        seq.seqlen_k - n0, params.head_dim, thread);
-    KVTile::template load_rows_async<Shape::kThreads>(
-        kv_smem + KVTile::kBytes, [&](int r) { return seq.k_row(v_cache, params.v_strides, blk.kv_head, n0 + r); },
-        seq.seqlen_k - n0, params.head_dim, thread);
+    load_cache_tile(kv_smem, k_cache, params.k_strides, n_block * Shape::kBlockN);
+    load_cache_tile(kv_smem + KVTile::kBytes, v_cache, params.v_strides, n_block * Shape::kBlockN);
   };
   ForwardRowState<Shape> state;
   forward_mainloop<Element, Shape>(q_smem, load_q, load_kv_block, blk.mask, blk.m_begin, blk.n_block_first,
