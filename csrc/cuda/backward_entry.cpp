@@ -1,6 +1,5 @@
 // CUDA backward op: checks, device guard, gradients and fp32 workspaces, then the kernels for
 // q's dtype and head-dim tile on the current stream.
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -66,7 +65,7 @@ BackwardGradients attention_backward_cuda(FLASHATTN_BACKWARD_ARGS) {
   check_cuda_device(q);
   const c10::cuda::CUDAGuard device_guard(q.device());
 
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
+  if (host_value_checks_enabled())
     check_sequence_values(q, k, opts);
   auto [dq, dk, dv, dsink] = allocate_backward_outputs(q, k, v, opts);
   if (is_empty_problem(q, k, opts)) {

@@ -1,5 +1,7 @@
 #include "cuda/cuda_backend.h"
 
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -75,6 +77,12 @@ DeviceLimits device_limits(const at::Tensor& q) {
       limits.forward_persistent_blocks = std::max(0, std::atoi(scheduler.c_str() + 11));
   }
   return limits;
+}
+
+bool host_value_checks_enabled() {
+  const char* skip = std::getenv("FLASHATTN_SKIP_VALUE_CHECKS");
+  if (skip != nullptr && std::string(skip) == "1") return false;
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
 }
 
 at::Tensor with_16_byte_rows(const at::Tensor& t) {

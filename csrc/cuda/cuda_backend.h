@@ -27,6 +27,13 @@ void check_cuda_status(cudaError_t status, const char* what);
 // every other layout is read in place.
 at::Tensor with_16_byte_rows(const at::Tensor& t);
 
+// Whether to read cu_seqlens / seqused / cache_seqlens / block_table values on the host
+// to check them: a device synchronisation per call. Not while a CUDA graph is being
+// captured (it cannot synchronise), nor with FLASHATTN_SKIP_VALUE_CHECKS=1 (an eager
+// decoding loop, where the synchronisation costs more than the attention). The kernels
+// never read or write outside the tensors whatever the values.
+bool host_value_checks_enabled();
+
 // Error for a head_dim whose tile width this build did not compile.
 [[noreturn]] void fail_head_dim_not_compiled(int64_t head_dim);
 

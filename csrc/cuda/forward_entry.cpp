@@ -1,6 +1,5 @@
 // CUDA forward op: checks, device guard, outputs, then the kernel for q's dtype
 // and head-dim tile on the current stream.
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -36,7 +35,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS
   check_cuda_device(q);
   const c10::cuda::CUDAGuard device_guard(q.device());
 
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
+  if (host_value_checks_enabled())
     check_sequence_values(q, k, opts);
   auto [out, lse] = allocate_forward_outputs(q, opts);
   if (is_empty_problem(q, k, opts)) {

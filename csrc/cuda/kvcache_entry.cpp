@@ -4,7 +4,6 @@
 // Nothing here depends on tensor values (the number of splits and every size come from
 // shapes), so a decode step can be captured in a CUDA graph and replayed with new
 // cache_seqlens.
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -61,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   check_cache_rows_aligned(k_cache, "k_cache");
   check_cache_rows_aligned(v_cache, "v_cache");
   const c10::cuda::CUDAGuard device_guard(q.device());
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
+  if (host_value_checks_enabled())
     check_kvcache_values(q, k_cache, opts);
   const KvcacheSizes sizes = kvcache_sizes(q, k_cache, opts);
   auto [out, lse] = allocate_kvcache_outputs(q);
