@@ -4,7 +4,7 @@
 # Logs and result files are written under a work folder and packed into one
 # archive, $OUT/gpu_results.tgz (the device tool brings back only a few files).
 #
-#   bash tools/gpu_check.sh [build] [tests] [persistent] [suite] [sanitize] [sweep] [bwd-check] [bench] [bench-full]
+#   bash tools/gpu_check.sh [build] [tests] [suite] [sanitize] [sweep] [bwd-check] [bench] [bench-full]
 #   (default: build tests)
 #
 # Environment: OUT (default /tmp/flashattn_gpu_out), GPU_WORK (the work folder),
@@ -81,13 +81,6 @@ except RuntimeError as e:
       wait
       cat "$WORK"/stage_test_*.txt
       grep -q "exit [1-9]" "$WORK"/stage_test_*.txt && status=1 ;;
-    persistent)
-      # The forward and varlen GPU tests with the Hopper forward persistent, its grid capped
-      # at 3 blocks so that every block walks several tiles (the ring's phases and the
-      # Q-empty barrier carried across tiles, skipped tiles).
-      run_stage persistent in_dir /tmp env FLASHATTN_FORWARD_SCHEDULER=persistent:3 timeout "${TEST_TIMEOUT_S:-400}" \
-        "$PY" -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu "$ROOT/tests/test_forward_cuda.py" \
-        "$ROOT/tests/test_varlen.py" ;;
     suite)
       # Every other test file, on this machine's torch (the CPU backend, the Python layer
       # and the integrations; the GPU-marked cases among them run too), 8 processes.

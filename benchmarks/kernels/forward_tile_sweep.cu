@@ -16,7 +16,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
-#include <string>
 #include <vector>
 
 #include "cuda/forward_launch.cuh"
@@ -52,28 +51,11 @@ using bf16 = __nv_bfloat16;
 template <typename Shape>
 constexpr bool kIsSm90Shape = requires { Shape::kConsumerWarpgroups; };
 
-// The device as the launch layer sees it (the SM count sizes a persistent grid); the
-// scheduler is the launch layer's choice unless FLASHATTN_FORWARD_SCHEDULER=static|persistent.
-const DeviceLimits& sweep_limits() {
-  static const DeviceLimits limits = [] {
-    DeviceLimits l{};
-    cudaDeviceGetAttribute(&l.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
-    cudaDeviceGetAttribute(&l.num_sms, cudaDevAttrMultiProcessorCount, 0);
-    l.hopper_kernels = true;
-    const char* scheduler = std::getenv("FLASHATTN_FORWARD_SCHEDULER");
-    if (scheduler != nullptr && std::string(scheduler) == "static") l.forward_scheduler = ForwardScheduler::kStatic;
-    if (scheduler != nullptr && std::string(scheduler) == "persistent")
-      l.forward_scheduler = ForwardScheduler::kPersistent;
-    return l;
-  }();
-  return limits;
-}
-
 template <typename Shape>
 cudaError_t launch_shape(const AttentionFwdParams& p) {
   if constexpr (kIsSm90Shape<Shape>) {
     bool launched = false;
-    const cudaError_t e = launch_forward_sm90<bf16, Shape>(p, sweep_limits(), 0, &launched);
+    const cudaError_t e = launch_forward_sm90<bf16, Shape>(p, 0, &launched);
     return e == cudaSuccess && !launched ? cudaErrorNotSupported : e;
   } else {
     return launch_forward_with_shape<bf16, Shape>(p, 0);

@@ -4,7 +4,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -66,16 +65,6 @@ DeviceLimits device_limits(const at::Tensor& q) {
   // Read per call, so that one process can time or test both kernel families.
   const char* disable = std::getenv("FLASHATTN_DISABLE_HOPPER_KERNELS");
   if (disable != nullptr && *disable != '\0' && std::string(disable) != "0") limits.hopper_kernels = false;
-  // static / persistent[:N]: force how the Hopper forward walks its tiles (to compare the
-  // two; N caps the persistent grid, for tests); anything else leaves the choice to the
-  // launch layer.
-  const char* scheduler_env = std::getenv("FLASHATTN_FORWARD_SCHEDULER");
-  const std::string scheduler = scheduler_env != nullptr ? scheduler_env : "";
-  if (scheduler.rfind("persistent", 0) == 0) {
-    limits.forward_scheduler = ForwardScheduler::kPersistent;
-    if (scheduler.size() > 11 && scheduler[10] == ':')
-      limits.forward_persistent_blocks = std::max(0, std::atoi(scheduler.c_str() + 11));
-  }
   return limits;
 }
 

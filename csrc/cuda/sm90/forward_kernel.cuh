@@ -1,9 +1,9 @@
 // Forward attention kernel for Hopper (sm_90a): wgmma tensor-core products fed
 // by TMA, with a producer warpgroup and consumer warpgroups (FlashAttention-3 class).
 //
-// Same algorithm and tiles as sm80/forward_kernel.cuh (kBlockM query rows of one (batch,
-// head) per tile, key blocks last first, the element mask only on the blocks a boundary
-// cuts), different machinery:
+// Same algorithm and block ownership as sm80/forward_kernel.cuh (one thread block per
+// kBlockM query rows of one (batch, head), key blocks last first, the element
+// mask only on the blocks a boundary cuts), different machinery:
 //  - warpgroup 0 is the producer: one thread issues TMA copies of Q once and of
 //    each K and V block into a ring of kStages shared-memory stages; the copies
 //    complete on "full" mbarriers (K and V separately, so S = Q K^T starts before
@@ -20,16 +20,6 @@
 //    ragged edges need no predication in the copies.
 // Consumer warpgroups run unsynchronised with each other, so one's softmax
 // overlaps the other's products.
-//
-// Tiles: a block walks the tiles of args.order (common/tile_scheduler.cuh): one tile in a
-// static grid, many in a persistent one (sm90/forward_launch.cuh chooses). The producer
-// and the consumers walk the same tiles and skip the same ones; the K/V ring's stage and
-// phase (PipelineState) carry over from one tile to the next. Q has one buffer: the
-// producer copies the next tile's Q only once every consumer warp has arrived on the
-// "Q empty" mbarrier, which they do as soon as the last product that reads Q (the last
-// S = Q K^T) has completed, so the copy runs under the tile's last P V and its epilogue
-// (registers to global memory: no shared memory). The producer copies the next tile's
-// first K before it waits for Q to be free, and its first V after Q.
 //
 // Build: compiled only for the sm_90a target (wgmma and setmaxnreg need it);
 // instantiations in instantiations/fwd_hdim<W>.cu. Versions:
@@ -50,7 +40,6 @@
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm90/hopper_primitives.cuh"
-#include "cuda/sm90/pipeline_state.cuh"
 #include "cuda/sm90/wgmma_ops.cuh"
 
 namespace flashattn {
@@ -72,7 +61,7 @@ struct Sm90ForwardShape {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kTileBytes = kQBytes + kStages * 2 * kKVBytes;
-  static constexpr int kBarriers = 2 + 3 * kStages;  // Q full; per stage K full, V full, empty; Q empty
+  static constexpr int kBarriers = 1 + 3 * kStages;  // Q full; per stage K full, V full, empty
   // + slack to align the tiles to a swizzle atom.
   static constexpr int kSmemBytes = sm90::kSwizzleAtomBytes + kTileBytes + 8 * kBarriers;
   // setmaxnreg budgets: kBlocksPerSM * 128 * (kProducerRegisters + kConsumerWarpgroups *
@@ -94,7 +83,6 @@ struct Sm90ForwardShape {
 struct Sm90ForwardArgs {
   AttentionFwdParams params;
   CUtensorMap q_map, k_map, v_map;
-  ForwardTileOrder order;  // the tiles, in the order the grid's blocks walk them
 };
 
 // kDense: instantiated for calls without per-sequence bounds (SequenceInfo's `dense`);
@@ -118,14 +106,15 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
   const auto k_full = [&](int stage) { return barriers + 8 * (1 + stage); };
   const auto v_full = [&](int stage) { return barriers + 8 * (1 + kStages + stage); };
   const auto kv_empty = [&](int stage) { return barriers + 8 * (1 + 2 * kStages + stage); };
-  const uint32_t q_empty = barriers + 8 * (1 + 3 * kStages);
 
-  const ForwardTileOrder& order = args.order;
+  const ForwardBlock blk(params, kBlockM, kBlockN, kDense);
+  if (blk.empty) return;
+  const SequenceInfo& seq = blk.seq;
+  const int num_blocks = blk.n_block_last - blk.n_block_first + 1;  // <= 0: no visible key
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
     sm90::mbarrier_init(q_full, 1);
-    sm90::mbarrier_init(q_empty, Shape::kConsumerWarps);
     for (int st = 0; st < kStages; ++st) {
       sm90::mbarrier_init(k_full(st), 1);
       sm90::mbarrier_init(v_full(st), 1);
@@ -135,209 +124,163 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
   }
   __syncthreads();
 
-  // The producer and the consumers walk the same tiles and skip the same ones (past the
-  // sequence's end, or seeing no key: no copy, no barrier), so the K/V ring's PipelineStates
-  // and Q's phase stay in step across tiles. Waits on an "empty" barrier expect the parity
-  // of the phase before the one a "full" wait expects; the first pass over a stage (or Q)
-  // waits on the phase before the barrier's first, which counts as completed.
   if (warpgroup == 0) {
     sm90::warpgroup_registers_shrink<Shape::kProducerRegisters>();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && num_blocks > 0) {
       sm90::prefetch_tensor_map(&args.q_map);
       sm90::prefetch_tensor_map(&args.k_map);
       sm90::prefetch_tensor_map(&args.v_map);
       constexpr int kColumnBlocks = Shape::kColumnBlocks;
-      sm90::PipelineState<kStages> write;
-      uint32_t q_phase = 0;
-      for (TileWalk walk; walk.more(order.num_tiles); walk.advance()) {
-        const int index = walk.index();
-        if (index >= order.num_tiles) continue;
-        const ForwardBlock blk(params, order.tile(index), kBlockM, kBlockN, kDense);
-        const int num_blocks = blk.n_block_last - blk.n_block_first + 1;  // <= 0: no visible key
-        if (blk.empty || num_blocks <= 0) continue;
-        const SequenceInfo& seq = blk.seq;
-        const int k_batch = SequenceInfo::k_map_batch(params, blk.batch);
-        for (int it = 0; it < num_blocks; ++it, write.advance()) {
-          const int stage = write.index;
-          sm90::mbarrier_wait(kv_empty(stage), write.phase ^ 1);
-          const int n0 = seq.k_offset + (blk.n_block_last - it) * kBlockN;
-          sm90::mbarrier_arrive_expect_bytes(k_full(stage), Shape::kKVBytes);
-          sm90::tma_load_tile<kColumnBlocks>(k_smem(stage), &args.k_map, k_full(stage), kBlockN, n0,
-                                             blk.kv_head, k_batch);
-          if (it == 0) {
-            // Q, after the first K (a persistent block may be here while the consumers
-            // still work on the last tile: that K lands meanwhile) and before the first V
-            // (the first S needs Q, P V comes later), once every consumer warp has
-            // finished the products that read the last tile's Q.
-            sm90::mbarrier_wait(q_empty, q_phase ^ 1);
-            q_phase ^= 1;
-            sm90::mbarrier_arrive_expect_bytes(q_full, Shape::kQBytes);
-            sm90::tma_load_tile<kColumnBlocks>(q_smem, &args.q_map, q_full, kBlockM, seq.q_offset + blk.m_begin,
-                                               blk.head, SequenceInfo::q_map_batch(params, blk.batch));
-          }
-          sm90::mbarrier_arrive_expect_bytes(v_full(stage), Shape::kKVBytes);
-          sm90::tma_load_tile<kColumnBlocks>(v_smem(stage), &args.v_map, v_full(stage), kBlockN, n0,
-                                             blk.kv_head, k_batch);
-        }
+      sm90::mbarrier_arrive_expect_bytes(q_full, Shape::kQBytes);
+      sm90::tma_load_tile<kColumnBlocks>(q_smem, &args.q_map, q_full, kBlockM, seq.q_offset + blk.m_begin, blk.head,
+                                         SequenceInfo::q_map_batch(params, blk.batch));
+      const int k_batch = SequenceInfo::k_map_batch(params, blk.batch);
+      for (int it = 0; it < num_blocks; ++it) {
+        const int stage = it % kStages;
+        if (it >= kStages) sm90::mbarrier_wait(kv_empty(stage), ((it / kStages) + 1) & 1);
+        const int n0 = seq.k_offset + (blk.n_block_last - it) * kBlockN;
+        sm90::mbarrier_arrive_expect_bytes(k_full(stage), Shape::kKVBytes);
+        sm90::tma_load_tile<kColumnBlocks>(k_smem(stage), &args.k_map, k_full(stage), kBlockN, n0,
+                                           blk.kv_head, k_batch);
+        sm90::mbarrier_arrive_expect_bytes(v_full(stage), Shape::kKVBytes);
+        sm90::tma_load_tile<kColumnBlocks>(v_smem(stage), &args.v_map, v_full(stage), kBlockN, n0,
+                                           blk.kv_head, k_batch);
       }
     }
   } else {
+
     sm90::warpgroup_registers_grow<Shape::kConsumerRegisters>();
     const int lane = threadIdx.x % 32;
     const int consumer = warpgroup - 1;
     const int warp_row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's 16 rows
+
+    float acc_o[1][kDTiles][4];
+    float row_max[1][2] = {{-INFINITY, -INFINITY}};
+    float row_sum[1][2] = {{0.f, 0.f}};
+  #pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+  #pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    auto& acc_o_flat = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
+
     // Q rows of this warpgroup and K rows are K-major operands, V the MN-major B of P V.
     const uint32_t q_wg = q_smem + consumer * 64 * sm90::kSwizzleBytes;
 
-    // Each consumer reads the ring twice: K for the scores of the next block, V (then
-    // releasing the stage) for P V of the current one. Both carry over to the next tile.
-    sm90::PipelineState<kStages> read_k, read_v;
-    uint32_t q_phase = 0;
-
-    for (TileWalk walk; walk.more(order.num_tiles); walk.advance()) {
-      const int index = walk.index();
-      if (index >= order.num_tiles) continue;
-      const ForwardBlock blk(params, order.tile(index), kBlockM, kBlockN, kDense);
-      if (blk.empty) continue;
-      const SequenceInfo& seq = blk.seq;
-      const int num_blocks = blk.n_block_last - blk.n_block_first + 1;  // <= 0: no visible key
-
-      float acc_o[1][kDTiles][4];
-      float row_max[1][2] = {{-INFINITY, -INFINITY}};
-      float row_sum[1][2] = {{0.f, 0.f}};
+    // S = Q K^T of key block `it` into acc_s, issued and committed (not waited for).
+    const auto issue_scores = [&](float (&acc_s)[kBlockN / 2], int it) {
+      const int stage = it % kStages;
+      sm90::mbarrier_wait(k_full(stage), (it / kStages) & 1);
+      sm90::wgmma_fence();
   #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt)
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        Wgmma<Element, kBlockN>::ss(
+            acc_s, sm90::k_major_descriptor(q_wg + sm90::k_major_step(ks, kBlockM)),
+            sm90::k_major_descriptor(k_smem(stage) + sm90::k_major_step(ks, kBlockN)),
+            ks > 0);
+      sm90::wgmma_commit();
+    };
+    // The softmax of block `it`'s scores, P left in acc_s.
+    const auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2], int it) {
+      const int n_begin = (blk.n_block_last - it) * kBlockN;
+      if (blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN))
+        softmax_scores<false>(acc_s, row_max, row_sum, corrections, params.softmax_scale_log2, blk.mask,
+                              blk.m_begin + warp_row, n_begin, lane);
+      else
+        softmax_scores<true>(acc_s, row_max, row_sum, corrections, params.softmax_scale_log2, blk.mask,
+                             blk.m_begin + warp_row, n_begin, lane);
+    };
+    // P packed into the A fragments of P V (two n8 accumulator tiles = one k16 fragment).
+    const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
   #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-      auto& acc_o_flat = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        accumulator_as_a<Element>(p[kk], acc_s[0], kk);
+      }
+    };
 
-      // S = Q K^T of the next key block into acc_s, issued and committed (not waited for).
-      const auto issue_scores = [&](float (&acc_s)[kBlockN / 2]) {
-        const int stage = read_k.index;
-        sm90::mbarrier_wait(k_full(stage), read_k.phase);
-        read_k.advance();
-        sm90::wgmma_fence();
+    // Software pipeline within the warpgroup: while O += P_it V_it runs on the
+    // tensor cores, S_{it+1} is already computed and its softmax runs on the
+    // other units; O's rescale for block it+1 waits until P_it V_it has landed.
+    uint32_t p[kBlockN / 16][4];
+    float corrections[1][2];
+    if (num_blocks > 0) {
+      sm90::mbarrier_wait(q_full, 0);
+      float acc_s[1][kNTiles][4];
+      auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+      issue_scores(acc_s_flat, 0);
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_s_flat);
+      softmax_block(acc_s, corrections, 0);
+      pack_p(acc_s, p);
+      // Keys past the sequence's end have P = 0, but the rows of V the copy brought for
+      // them belong to the next sequence or to rows seqused leaves out, and 0 * inf or NaN
+      // there would reach O: the block that straddles the end (the first) zeroes them,
+      // here rather than in the loop, which keeps the loop free of the branch.
+      const int v_rows_valid = seq.seqlen_k - blk.n_block_last * kBlockN;
+      if (!kDense && SequenceInfo::keys_may_overrun(params) && v_rows_valid < kBlockN) {
+        sm90::mbarrier_wait(v_full(0), 0);
+        sm90::zero_tile_rows<Shape::kColumnBlocks>(v_smem(0), kBlockN, v_rows_valid, threadIdx.x - 128,
+                                                   Shape::kConsumerWarpgroups * 128);
+        sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerWarpgroups * 128);
+      }
+    }
+    // O = O * correction + P_it V_it, issued and committed; the stage is handed
+    // back to the producer once it has completed.
+    const auto issue_pv = [&](int it) {
+      const int stage = it % kStages;
+      rescale_output(acc_o, corrections);
+      sm90::mbarrier_wait(v_full(stage), (it / kStages) & 1);
+      sm90::fence_registers(acc_o_flat);
+      sm90::wgmma_fence();
   #pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks)
-          Wgmma<Element, kBlockN>::ss(
-              acc_s, sm90::k_major_descriptor(q_wg + sm90::k_major_step(ks, kBlockM)),
-              sm90::k_major_descriptor(k_smem(stage) + sm90::k_major_step(ks, kBlockN)),
-              ks > 0);
-        sm90::wgmma_commit();
-      };
-      // The softmax of block `it`'s scores, P left in acc_s.
-      const auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2], int it) {
-        const int n_begin = (blk.n_block_last - it) * kBlockN;
-        if (blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN))
-          softmax_scores<false>(acc_s, row_max, row_sum, corrections, params.softmax_scale_log2, blk.mask,
-                                blk.m_begin + warp_row, n_begin, lane);
-        else
-          softmax_scores<true>(acc_s, row_max, row_sum, corrections, params.softmax_scale_log2, blk.mask,
-                               blk.m_begin + warp_row, n_begin, lane);
-      };
-      // P packed into the A fragments of P V (two n8 accumulator tiles = one k16 fragment).
-      const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
-  #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          accumulator_as_a<Element>(p[kk], acc_s[0], kk);
-        }
-      };
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        Wgmma<Element, kHeadDim>::rs_b_mn_major(
+            acc_o_flat, p[kk],
+            sm90::mn_major_descriptor(v_smem(stage) + kk * 16 * sm90::kSwizzleBytes, kBlockN));
+      sm90::wgmma_commit();
+    };
+    const auto release_stage = [&](int it) {
+      __syncwarp();
+      if (lane == 0) sm90::mbarrier_arrive(kv_empty(it % kStages));
+    };
 
-      // Software pipeline within the warpgroup: while O += P_it V_it runs on the
-      // tensor cores, S_{it+1} is already computed and its softmax runs on the
-      // other units; O's rescale for block it+1 waits until P_it V_it has landed.
-      uint32_t p[kBlockN / 16][4];
-      float corrections[1][2];
-      if (num_blocks > 0) {
-        sm90::mbarrier_wait(q_full, q_phase);
-        q_phase ^= 1;
-        float acc_s[1][kNTiles][4];
-        auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-        issue_scores(acc_s_flat);
+    // The last block is peeled off so that every iteration of the loop has the
+    // same two products in flight (with the branch inside, ptxas could not tell
+    // which one wgmma_wait<1> retires, and serialised every wgmma).
+    for (int it = 0; it + 1 < num_blocks; ++it) {
+      float acc_s[1][kNTiles][4];
+      auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+      if constexpr (Shape::kOverlap) {
+        issue_scores(acc_s_flat, it + 1);
+        issue_pv(it);
+        sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
+        sm90::fence_registers(acc_s_flat);
+        // P_it must stay untouched until P_it V_it completes (wgmma reads its A
+        // registers asynchronously): block it+1's P waits in acc_s, packed after.
+        softmax_block(acc_s, corrections, it + 1);
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc_o_flat);
+        release_stage(it);
+      } else {
+        issue_pv(it);
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc_o_flat);
+        release_stage(it);
+        issue_scores(acc_s_flat, it + 1);
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_s_flat);
-        softmax_block(acc_s, corrections, 0);
-        pack_p(acc_s, p);
-        // Keys past the sequence's end have P = 0, but the rows of V the copy brought for
-        // them belong to the next sequence or to rows seqused leaves out, and 0 * inf or NaN
-        // there would reach O: the block that straddles the end (the first, in the stage
-        // read_v is at) zeroes them, here rather than in the loop, which keeps the loop free
-        // of the branch.
-        const int v_rows_valid = seq.seqlen_k - blk.n_block_last * kBlockN;
-        if (!kDense && SequenceInfo::keys_may_overrun(params) && v_rows_valid < kBlockN) {
-          sm90::mbarrier_wait(v_full(read_v.index), read_v.phase);
-          sm90::zero_tile_rows<Shape::kColumnBlocks>(v_smem(read_v.index), kBlockN, v_rows_valid,
-                                                     threadIdx.x - 128, Shape::kConsumerWarpgroups * 128);
-          sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerWarpgroups * 128);
-        }
+        softmax_block(acc_s, corrections, it + 1);
       }
-      // O = O * correction + P V of the current block, issued and committed; the stage is
-      // handed back to the producer once it has completed.
-      const auto issue_pv = [&] {
-        const int stage = read_v.index;
-        rescale_output(acc_o, corrections);
-        sm90::mbarrier_wait(v_full(stage), read_v.phase);
-        sm90::fence_registers(acc_o_flat);
-        sm90::wgmma_fence();
-  #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-          Wgmma<Element, kHeadDim>::rs_b_mn_major(
-              acc_o_flat, p[kk],
-              sm90::mn_major_descriptor(v_smem(stage) + kk * 16 * sm90::kSwizzleBytes, kBlockN));
-        sm90::wgmma_commit();
-      };
-      const auto release_stage = [&] {
-        __syncwarp();
-        if (lane == 0) sm90::mbarrier_arrive(kv_empty(read_v.index));
-        read_v.advance();
-      };
-
-      // The last block is peeled off so that every iteration of the loop has the
-      // same two products in flight (with the branch inside, ptxas could not tell
-      // which one wgmma_wait<1> retires, and serialised every wgmma).
-      for (int it = 0; it + 1 < num_blocks; ++it) {
-        float acc_s[1][kNTiles][4];
-        auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-        if constexpr (Shape::kOverlap) {
-          issue_scores(acc_s_flat);
-          issue_pv();
-          sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
-          sm90::fence_registers(acc_s_flat);
-          // P_it must stay untouched until P_it V_it completes (wgmma reads its A
-          // registers asynchronously): block it+1's P waits in acc_s, packed after.
-          softmax_block(acc_s, corrections, it + 1);
-          sm90::wgmma_wait<0>();
-          sm90::fence_registers(acc_o_flat);
-          release_stage();
-        } else {
-          issue_pv();
-          sm90::wgmma_wait<0>();
-          sm90::fence_registers(acc_o_flat);
-          release_stage();
-          issue_scores(acc_s_flat);
-          sm90::wgmma_wait<0>();
-          sm90::fence_registers(acc_s_flat);
-          softmax_block(acc_s, corrections, it + 1);
-        }
-        pack_p(acc_s, p);
-      }
-      if (num_blocks > 0) {
-        // Every product that reads Q has completed (the last S was waited for above, and
-        // nothing else is in flight): Q's buffer goes back to the producer, which copies
-        // the next tile's Q in under this tile's last P V and epilogue.
-        __syncwarp();
-        if (lane == 0) sm90::mbarrier_arrive(q_empty);
-        issue_pv();
-        sm90::wgmma_wait<0>();
-        sm90::fence_registers(acc_o_flat);
-        release_stage();
-      }
-
-      // From registers to global memory: no shared memory, so nothing here races with the
-      // producer's copies for the next tile.
-      store_forward_rows<Element>(acc_o, row_max, row_sum, blk.out_rows<Element>(params), params.out_strides.row,
-                                  blk.lse_rows(params), warp_row, blk.valid_q_rows, params.head_dim, lane);
+      pack_p(acc_s, p);
     }
+    if (num_blocks > 0) {
+      issue_pv(num_blocks - 1);
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_o_flat);
+      release_stage(num_blocks - 1);
+    }
+
+    store_forward_rows<Element>(acc_o, row_max, row_sum, blk.out_rows<Element>(params), params.out_strides.row,
+                                blk.lse_rows(params), warp_row, blk.valid_q_rows, params.head_dim, lane);
   }
 #else
   __trap();  // launched only where the sm_90a image exists (sm90/forward_launch.cuh)

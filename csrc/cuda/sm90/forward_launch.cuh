@@ -5,11 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <climits>
-#include <cstdint>
-
-#include "cuda/device_limits.h"
 #include "cuda/sm90/forward_kernel.cuh"
 #include "cuda/common/kernel_launch.cuh"
 #include "cuda/sm90/tma_tile_map.cuh"
@@ -47,29 +42,10 @@ struct Sm90ForwardPlan<256> {
   using Shape = Sm90ForwardShape<256, 64, 2, 2, /*kOverlap=*/false>;
 };
 
-// Whether the forward's tiles differ in cost: masks that cut key ranges (causal, windows)
-// and sequences of their own lengths.
-inline bool forward_tiles_uneven(const AttentionFwdParams& params) {
-  return params.window_left >= 0 || params.window_right >= 0 || SequenceInfo::has_sequence_bounds(params);
-}
-
-// Whether the Hopper forward runs persistent (a grid of resident blocks that walk the tiles,
-// longest first where tiles differ in cost) rather than one block per tile: the one place
-// this is chosen. FLASHATTN_FORWARD_SCHEDULER=persistent (DeviceLimits::forward_scheduler)
-// selects it. The default is the static grid: measured side by side on the H200
-// (benchmarks/RESULTS.md, 2026-12-03 12:35 UTC), persistent-by-default for causal calls ran
-// d 128 causal N 1024 6 % faster but N 4096 and 16384 11-13 % slower, and dense non-causal
-// within noise.
-inline bool persistent_forward(ForwardScheduler scheduler, int64_t tiles, int64_t resident_blocks) {
-  if (resident_blocks < 1 || tiles + resident_blocks > INT_MAX) return false;  // TileWalk's indices stay in int
-  return scheduler == ForwardScheduler::kPersistent;
-}
-
 // Launches the Hopper kernel, or sets *launched = false (and launches nothing)
 // where TMA cannot describe an input.
 template <typename Element, typename Shape>
-cudaError_t launch_forward_sm90(const AttentionFwdParams& params, const DeviceLimits& limits, cudaStream_t stream,
-                                bool* launched) {
+cudaError_t launch_forward_sm90(const AttentionFwdParams& params, cudaStream_t stream, bool* launched) {
   *launched = false;
   Sm90ForwardArgs args{};
   args.params = params;
@@ -82,19 +58,11 @@ cudaError_t launch_forward_sm90(const AttentionFwdParams& params, const DeviceLi
                                params.nheads_kv, k_map_batches(params), Shape::kBlockN);
   if (!mapped) return cudaSuccess;
   *launched = true;
-  const int64_t tiles = ForwardBlock::grid_blocks(params, Shape::kBlockM);
-  if (tiles > INT_MAX) return cudaErrorInvalidConfiguration;
-  const int64_t resident_blocks = limits.forward_persistent_blocks > 0
-                                      ? limits.forward_persistent_blocks
-                                      : int64_t(limits.num_sms) * Shape::kBlocksPerSM;
-  const bool persistent = persistent_forward(limits.forward_scheduler, tiles, resident_blocks);
-  // Longest first only where tiles differ in cost: equal tiles keep the plain order's L2 reuse.
-  args.order = persistent && forward_tiles_uneven(params) ? ForwardTileOrder::longest_first(params, Shape::kBlockM)
-                                                          : ForwardTileOrder::plain(params, Shape::kBlockM);
   const auto kernel = SequenceInfo::has_sequence_bounds(params) ? attention_forward_sm90_kernel<Element, Shape, false>
                                                                 : attention_forward_sm90_kernel<Element, Shape, true>;
-  return launch_on_flat_grid(kernel, persistent ? std::min(tiles, resident_blocks) : tiles, Shape::kThreads,
-                             Shape::kSmemBytes, stream, args);
+  return launch_on_flat_grid(kernel,
+                             ForwardBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads, Shape::kSmemBytes,
+                             stream, args);
 }
 
 }  // namespace flashattn

@@ -1,7 +1,9 @@
 // Where a producer or a consumer is in a ring of kStages shared-memory stages: the stage
 // index and the parity of its mbarriers' current phase, advanced together. Carried as
 // state rather than recomputed from a loop counter, so that a kernel that works through
-// several tiles (a persistent grid) continues the ring where the last tile left it.
+// several tiles (a persistent grid) can continue the ring where the last tile left it.
+// The Hopper backward carries its Q/dO ring so; the forward's K/V ring does not yet (the
+// persistent forward that did is in git history, commit 0a6e4a4: benchmarks/RESULTS.md).
 #pragma once
 
 #include <cstdint>
@@ -12,10 +14,9 @@ namespace sm90 {
 template <int kStages>
 struct PipelineState {
   int index = 0;
-  // The parity a wait on this stage's "full" barrier expects. A producer waits on the stage's
-  // "empty" barrier with phase ^ 1, the phase before: on its first pass over the ring that is
-  // the phase before the barrier's first, which mbarrier.try_wait.parity counts as completed,
-  // so the first kStages waits pass at once without a counter of filled stages.
+  // The parity a wait on this stage's "full" barrier expects; a producer refilling the stage
+  // waits on its "empty" barrier with phase ^ 1 (the consumers free it one phase after it
+  // was filled).
   uint32_t phase = 0;
 
   __device__ __forceinline__ void advance() {
