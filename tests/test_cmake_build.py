@@ -29,12 +29,22 @@ import pytest
 from cmake_build import REPO_ROOT, build, cuda_toolkit
 
 
-def _read_tiles():
+def _sources_lines():
     for line in (REPO_ROOT / "csrc" / "SOURCES.txt").read_text().splitlines():
         words = line.split("#", 1)[0].split()
-        if words and words[0] == "tiles":
+        if words:
+            yield words
+
+
+def _read_tiles():
+    for words in _sources_lines():
+        if words[0] == "tiles":
             return words[1:]
     raise AssertionError("csrc/SOURCES.txt has no `tiles` line")
+
+
+def _tile_templates():
+    return [words[1] for words in _sources_lines() if words[0] == "cuda_tile"]
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +190,8 @@ def test_cmake_cuda_library(cuda_build):
     assert "64" in _read_tiles()
     generated = sorted(p.relative_to(cuda_build.directory / "generated").as_posix()
                        for p in (cuda_build.directory / "generated").rglob("*.cu"))
-    assert generated == ["cuda/instantiations/bwd_hdim64.cu", "cuda/instantiations/fwd_hdim64.cu"]
+    assert generated == sorted(t.replace(".cu.in", "64.cu") for t in _tile_templates())
+    assert {"fwd", "bwd", "kvcache"} <= {pathlib.PurePosixPath(g).name.split("_")[0] for g in generated}
     report = _load_and_check(cuda_build.library, want_cuda=True)
     assert report["cpu_kernels"] == [True, True], report
     assert report["cuda_kernels"] == [True, True], report
