@@ -351,6 +351,8 @@ def classify_failure(exc: BaseException) -> tuple[str, str]:
     callers; programming errors (TypeError, AttributeError...) propagate and stop the run."""
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
         return STATUS_OOM, "out of memory"
+    if isinstance(exc, ImportError):
+        return STATUS_UNSUPPORTED, f"not installed: {exc}"[:300]
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     lowered = str(exc).lower()
     if isinstance(exc, NotImplementedError) or any(
@@ -361,7 +363,7 @@ def classify_failure(exc: BaseException) -> tuple[str, str]:
 
 
 # Exceptions that mean "cannot run this shape" rather than "the benchmark is broken".
-RUN_FAILURES = (torch.OutOfMemoryError, RuntimeError, NotImplementedError, ValueError)
+RUN_FAILURES = (torch.OutOfMemoryError, RuntimeError, NotImplementedError, ValueError, ImportError)
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -468,6 +470,13 @@ def _ours_autograd_forward(q, k, v, causal: bool, scale: float, deterministic: b
     return flashattn_ext.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, deterministic=deterministic)
 
 
+def _fa4_forward(q, k, v, causal: bool, scale: float):
+    # Optional peer, not a dependency: ../shared/tools/fa4_wheels.sh installs it on the GPU machine.
+    from flash_attn.cute import flash_attn_func
+    out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def build_impls(names: Iterable[str]) -> list[AttentionImpl]:
     registry = {
         "ours": lambda: AttentionImpl("ours", "bshd", "flashattn_ext (this repo)",
@@ -479,6 +488,8 @@ def build_impls(names: Iterable[str]) -> list[AttentionImpl]:
         "materialized": lambda: AttentionImpl(
             "materialized", "bhsd", "plain PyTorch: S=QK^T, softmax, PV in HBM",
             materialized_attention),
+        # Opt-in: FlashAttention-4 (flash-attn-4's CuTe-DSL kernels), where it is installed.
+        "fa4": lambda: AttentionImpl("fa4", "bshd", "FlashAttention-4 (flash_attn.cute)", _fa4_forward),
     }
     for name, backend in SDPA_BACKENDS.items():
         registry[name] = (lambda n=name, b=backend: AttentionImpl(
