@@ -46,7 +46,7 @@ def parse_args(argv=None):
 def apply_defaults(args, device):
     cpu = device.type == "cpu"
     if args.batches is None:
-        args.batches = [1, 2] if cpu else ([1, 8, 64] if args.quick else [1, 8, 64])
+        args.batches = [1, 2] if cpu else [1, 8, 64]
     if args.kv_lens is None:
         args.kv_lens = [256, 1024] if cpu else (
             [4096, 32768, 131072] if args.quick else [4096, 16384, 32768, 65536, 131072])

@@ -74,11 +74,15 @@ bool host_value_checks_enabled() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
 }
 
-at::Tensor with_16_byte_rows(const at::Tensor& t) {
+bool has_16_byte_rows(const at::Tensor& t) {
   bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   for (int64_t d = 0; d + 1 < t.dim(); ++d)
     aligned = aligned && (t.size(d) <= 1 || (t.stride(d) * t.element_size()) % 16 == 0);
-  return aligned ? t : t.clone(at::MemoryFormat::Contiguous);
+  return aligned;
+}
+
+at::Tensor with_16_byte_rows(const at::Tensor& t) {
+  return has_16_byte_rows(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 void check_cuda_status(cudaError_t status, const char* what) {

@@ -21,10 +21,11 @@ DeviceLimits device_limits(const at::Tensor& q);
 // Throws with the CUDA error string when a launch (or its planning) failed.
 void check_cuda_status(cudaError_t status, const char* what);
 
-// The kernels move rows in 16-byte pieces (cp.async, vector loads and stores), so a
-// tensor whose data pointer or (batch, row, head) strides are not 16-byte multiples,
-// such as a view at an odd element offset, is copied to a fresh contiguous one;
-// every other layout is read in place.
+// The kernels move rows in 16-byte pieces (cp.async, vector loads and stores): whether a
+// tensor's data pointer and (batch, row, head) strides are 16-byte multiples, and the
+// tensor itself where they are, else (a view at an odd element offset, say) a fresh
+// contiguous copy; the KV caches, written in place, are refused instead.
+bool has_16_byte_rows(const at::Tensor& t);
 at::Tensor with_16_byte_rows(const at::Tensor& t);
 
 // Whether to read cu_seqlens / seqused / cache_seqlens / block_table values on the host

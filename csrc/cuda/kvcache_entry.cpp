@@ -43,10 +43,8 @@ struct KvcacheAttentionLauncher {
 
 // The cache is written in place, so it cannot be copied to an aligned one as q can.
 void check_cache_rows_aligned(const at::Tensor& cache, const char* name) {
-  const bool aligned = reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && cache.stride(0) % 8 == 0 &&
-                       cache.stride(1) % 8 == 0 && cache.stride(2) % 8 == 0;
-  TORCH_CHECK(aligned, "flashattn_ext: the CUDA kernels read ", name, " in 16-byte pieces: its data pointer and "
-              "its strides (got ", cache.strides(), ") must be multiples of 16 bytes");
+  TORCH_CHECK(has_16_byte_rows(cache), "flashattn_ext: the CUDA kernels read ", name, " in 16-byte pieces: its data "
+              "pointer and its strides (got ", cache.strides(), ") must be multiples of 16 bytes");
 }
 
 const int* int_data(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<int>() : nullptr; }
