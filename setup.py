@@ -104,20 +104,26 @@ def selected_tiles(all_tiles):
     return [str(t) for t in tiles]
 
 
-def write_tile_sources(templates, tiles, out_dir):
+def write_tile_sources(templates, tiles, score_mods, out_dir):
     """The kernels' translation units: each template (a cuda_tile path of
     SOURCES.txt) once per tile width, with @HEAD_DIM_TILE@ replaced by the width,
     written under out_dir with the width appended to the name
-    (cuda/instantiations/fwd_hdim.cu.in -> cuda/instantiations/fwd_hdim64.cu).
+    (cuda/instantiations/fwd_hdim.cu.in -> cuda/instantiations/fwd_hdim64.cu), and a
+    template with @SCORE_MOD@ once more per score-mod variant (SOURCES.txt's
+    score_mods), the variant appended too (fwd_hdim64_kBias.cu).
     CMakeLists.txt writes the same files with configure_file. Returns their paths."""
     paths = []
     for template in templates:
         with open(os.path.join(CSRC, template)) as f:
             text = f.read()
+        variants = score_mods if "@SCORE_MOD@" in text else [None]
         for width in tiles:
-            path = os.path.join(out_dir, template[:-len(".cu.in")] + width + ".cu")
-            write_if_changed(path, text.replace("@HEAD_DIM_TILE@", width))
-            paths.append(path)
+            for mod in variants:
+                suffix = width if mod is None else f"{width}_{mod}"
+                path = os.path.join(out_dir, template[:-len(".cu.in")] + suffix + ".cu")
+                unit = text.replace("@HEAD_DIM_TILE@", width)
+                write_if_changed(path, unit if mod is None else unit.replace("@SCORE_MOD@", mod))
+                paths.append(path)
     return paths
 
 
@@ -242,7 +248,7 @@ def extensions():
             write_build_config(defines)
             # Added here, not to the Extension's sources: the sdist must not list
             # generated files.
-            tile_sources = write_tile_sources(groups["cuda_tile"], tiles, GENERATED)
+            tile_sources = write_tile_sources(groups["cuda_tile"], tiles, groups["score_mods"], GENERATED)
             ext.sources += [os.path.relpath(p, ROOT) for p in tile_sources]
             super().run()
 

@@ -324,6 +324,7 @@ AttentionFwdParams make_forward_params(const at::Tensor& q, const at::Tensor& k,
     p.alibi_slopes = opts.alibi_slopes->data_ptr<float>();
     p.alibi_batch_stride = opts.alibi_slopes->dim() == 2 ? opts.alibi_slopes->stride(0) : 0;
   }
+  if (opts.learnable_sink.has_value()) p.learnable_sink = opts.learnable_sink->data_ptr<float>();
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
   return p;
 }

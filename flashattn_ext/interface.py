@@ -48,9 +48,8 @@ Differences from flash-attn, all deliberate:
   past them get out = 0, lse = +inf and zero gradients. Its block_table (paged KV)
   raises NotImplementedError.
 * Devices: CPU (fp32, fp64, bf16, fp16; every feature) and CUDA (fp16, bf16) where
-  the build has the CUDA kernels (softcap, ALiBi, dropout and learnable_sink not yet:
-  NotImplementedError). flash_attn_with_kvcache runs on the CPU (without alibi_slopes)
-  and, once its CUDA kernel lands, on CUDA; it takes no head dim that is not a multiple
+  the build has the CUDA kernels (dropout not yet: NotImplementedError).
+  flash_attn_with_kvcache runs on the CPU and on CUDA, without alibi_slopes; it takes no head dim that is not a multiple
   of 8 (padding would copy the cache it must write in place).
 """
 

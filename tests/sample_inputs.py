@@ -312,12 +312,6 @@ class VarlenCase:
     def op_compatible(self) -> bool:
         return self.head_dim % 8 == 0
 
-    @property
-    def cuda_features(self) -> bool:
-        """Whether the CUDA kernels implement every feature of the case (not softcap, ALiBi,
-        sinks)."""
-        return self.softcap == 0.0 and self.alibi is None and not self.sink
-
     def used_lengths(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         """The rows of each sequence that count: seqused where given, else all."""
         return self.seqused_q or self.seqlens_q, self.seqused_k or self.seqlens_k

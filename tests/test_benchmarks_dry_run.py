@@ -1,7 +1,8 @@
 """The benchmarks after the README's setup (installed package, no matplotlib): tiny
-cpu dry runs of bench_attention.py and of bench_e2e.py's padding-free mode, and
-run_all.sh's preflight, in subprocesses."""
+cpu dry runs of bench_attention.py, bench_e2e.py's padding-free mode, bench_decode.py,
+bench_prefill.py and bench_variants.py, and run_all.sh's preflight, in subprocesses."""
 
+import csv
 import os
 import pathlib
 import subprocess
@@ -78,3 +79,27 @@ def test_bench_prefill_cpu_dry_run(tmp_path):
     assert proc.returncode == 0, output
     assert "kvcache / dense" in output
     assert (tmp_path / "out" / "prefill.csv").is_file()
+
+
+def test_bench_variants_cpu_dry_run(tmp_path):
+    """Each variant checked against the fp64 reference before it is timed, its cost against
+    plain in the table and the CSV; fa4 rows for plain and softcap even where it is not installed."""
+    proc = run([sys.executable, "benchmarks/bench_variants.py", "--device", "cpu", "--impls", "ours", "fa4",
+                "--out", str(tmp_path / "out")], tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "DRY RUN on cpu" in output
+    variants = ("plain", "softcap", "alibi", "sink", "softcap_alibi_sink")
+    for variant in variants:
+        for causal in (False, True):
+            assert f"check {variant} causal={causal}: ok: max |err| vs fp64:" in output
+    assert "FAILED" not in output
+    assert "[bwd] GFLOP/s, and each modifier's cost against plain" in output
+    with open(tmp_path / "out" / "variants.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    ours = [r for r in rows if r["impl"] == "ours"]
+    assert len(ours) == len(variants) * 2 * 2  # causal and not, forward and backward
+    assert all(r["status"] == "ok" and r["cost_vs_plain"] for r in ours)
+    fa4 = [r for r in rows if r["impl"] == "fa4"]
+    assert sorted(r["variant"] for r in fa4) == ["plain"] * 4 + ["softcap"] * 4
+    assert (tmp_path / "out" / "variants.json").is_file()

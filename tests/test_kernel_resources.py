@@ -33,7 +33,8 @@ def _write_instantiation_files(out_dir):
     setup_py = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup_py)
     groups = setup_py.read_sources()
-    return [pathlib.Path(p) for p in setup_py.write_tile_sources(groups["cuda_tile"], groups["tiles"], out_dir)]
+    return [pathlib.Path(p) for p in setup_py.write_tile_sources(groups["cuda_tile"], groups["tiles"], groups["score_mods"],
+                                                                  out_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +66,13 @@ def test_instantiations_compile_without_spills(resource_reports):
     assert resource_reports, "no instantiation files found"
     for name, returncode, report in resource_reports:
         assert returncode == 0, f"{name} failed to compile:\n{report[-3000:]}"
-        spills = [line for line in report.splitlines()
-                  if re.search(r"[1-9]\d* bytes spill (stores|loads)", line)]
-        assert not spills, f"{name} spills registers:\n" + "\n".join(spills)
+    # Every spilling file at once: a register budget change tends to tip several.
+    spilling = {name: [line.strip() for line in report.splitlines()
+                       if re.search(r"[1-9]\d* bytes spill (stores|loads)", line)]
+                for name, _, report in resource_reports}
+    spilling = {name: lines for name, lines in spilling.items() if lines}
+    assert not spilling, "instantiations that spill registers:\n" + "\n".join(
+        f"{name}: {lines}" for name, lines in sorted(spilling.items()))
 
 
 def test_hopper_kernels_keep_wgmma_asynchronous(resource_reports):

@@ -373,6 +373,10 @@ LONG_CUDA_CASES = [
                 capacity=1440, page_size=48),
     KvcacheCase("long_window_d128", batch=2, seqlen_q=8, seqlen_new=8, causal=False, window=(300, 0), nheads=8,
                 nheads_kv=8, head_dim=128, capacity=3000),
+    # softcap in every split, the sink once in the combine (splits must not each add it).
+    KvcacheCase("long_softcap_sink_paged64_gqa4_d128", batch=2, seqlen_q=3, seqlen_new=3, nheads=8, nheads_kv=2,
+                head_dim=128, capacity=2048, page_size=64, softcap=20.0, sink=True),
+    KvcacheCase("long_sink_decode_d64", batch=3, nheads=4, nheads_kv=4, head_dim=64, capacity=1500, sink=True),
 ]
 
 

@@ -269,9 +269,9 @@ requires_cuda_kernels = pytest.mark.skipif(
 
 
 @requires_cuda_kernels
-def test_cuda_refuses_dropout_and_sinks_by_name():
+def test_cuda_refuses_dropout_by_name():
+    # Softcap, ALiBi and sinks run on CUDA (test_variants_cuda.py); float32 inputs, CUDA's other
+    # refusal: test_forward_cuda.py.
     q, k, v = (torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     with pytest.raises(NotImplementedError, match=r"dropout_p > 0 is not implemented on CUDA yet"):
         flash_attn_func(q, k, v, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match=r"learnable_sink is not implemented on CUDA yet"):
-        flash_attn_func(q, k, v, learnable_sink=torch.zeros(2, device="cuda"))

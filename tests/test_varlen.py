@@ -172,26 +172,13 @@ def test_varlen_cpu_is_the_dense_algorithm_per_sequence(case):
         assert torch.equal(a, e), f"{case.name}: {name} differs from flash_attn_func per sequence"
 
 
-CUDA_CASES = [case for case in VARLEN_CASES if case.cuda_features]
-CUDA_REFUSED_CASES = [case for case in VARLEN_CASES if not case.cuda_features]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.usefixtures("kernel_family")
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
-@pytest.mark.parametrize("case", CUDA_CASES, ids=str)
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
 def test_varlen_cuda(case, dtype):
     check_case(case, dtype, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case", CUDA_REFUSED_CASES, ids=str)
-def test_varlen_cuda_refuses_missing_features(case):
-    inputs = case.make(torch.bfloat16, device="cuda", requires_grad=True)
-    with pytest.raises(NotImplementedError, match=r"(softcap|alibi_slopes|learnable_sink) is not implemented on CUDA"):
-        run_varlen(case, inputs)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[

@@ -208,7 +208,7 @@ void make_problem(Problem& pr, int window_left, int window_right, bool mixed_lay
 
 template <int W>
 void run_forward(const Problem& pr, const DeviceLimits& limits) {
-  CUDA_OK((launch_attention_forward<bf16, W>(pr.p, limits, 0)));
+  CUDA_OK((launch_attention_forward<bf16, W, ScoreMod::kNone>(pr.p, limits, 0)));
   bench::synchronize_or_exit("forward");
 }
 
@@ -223,7 +223,7 @@ void run_backward(const Problem& pr, const DeviceLimits& limits, const char* wha
   CUDA_OK(cudaMemset(p.dq_accum, 0xff, rows * p.head_dim_rounded * sizeof(float)));
   CUDA_OK(cudaMemset(p.softmax_d, 0xff, rows * sizeof(float)));
   CUDA_OK(cudaMemset(p.lse_log2, 0xff, rows * sizeof(float)));
-  CUDA_OK((launch_attention_backward<bf16, W>(p, limits, 0)));
+  CUDA_OK((launch_attention_backward<bf16, W, ScoreMod::kNone>(p, limits, 0)));
   bench::synchronize_or_exit(what);
 }
 
@@ -378,7 +378,7 @@ void time_width(const DeviceLimits& hopper, const DeviceLimits& sm80, std::mt199
         diff = std::max(diff, m / std::max(max_abs(*b), 1e-30f));
       }
       const auto timed = [&](const DeviceLimits& limits, const char* what) {
-        return bench::median_ms([&] { CUDA_OK((launch_attention_backward<bf16, W>(pr.p, limits, 0))); }, 3, 10, what);
+        return bench::median_ms([&] { CUDA_OK((launch_attention_backward<bf16, W, ScoreMod::kNone>(pr.p, limits, 0))); }, 3, 10, what);
       };
       const float t90 = timed(hopper, "sm90 backward timing"), t80 = timed(sm80, "sm80 backward timing");
       const double flops = 2.5 * bench::forward_flops(pr.batch, pr.nheads_q, seqlen, W, causal);

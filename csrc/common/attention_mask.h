@@ -16,6 +16,8 @@ struct MaskGeometry {
   int window_right;  // < 0: unbounded
 
   FLASHATTN_HOST_DEVICE int diagonal_offset() const { return seqlen_k - seqlen_q; }
+  // The key on query row i's diagonal (ALiBi's distance is measured from it).
+  FLASHATTN_HOST_DEVICE int diagonal_of_row(int i) const { return i + diagonal_offset(); }
 
   // Keys [begin, end) that some query in [row_begin, row_end) can see (end <= begin: none).
   FLASHATTN_HOST_DEVICE int key_begin(int row_begin) const {
@@ -69,6 +71,7 @@ struct PackedRowsMask {
     return queries.tile_fully_visible(row_begin / group, (row_end - 1) / group + 1, col_begin, col_end);
   }
   FLASHATTN_HOST_DEVICE bool visible(int row, int j) const { return queries.visible(row / group, j); }
+  FLASHATTN_HOST_DEVICE int diagonal_of_row(int row) const { return queries.diagonal_of_row(row / group); }
 };
 
 }  // namespace flashattn

@@ -62,6 +62,7 @@ struct AttentionFwdParams {
   float softcap;               // 0: off; else s = softcap * tanh(s / softcap)
   const float* alibi_slopes;   // nullptr: off; else slope per (batch, head)
   int64_t alibi_batch_stride;  // 0 when the slopes are shared by the batch
+  const float* learnable_sink; // nullptr: off; else (nheads_q,) logits joining each row's softmax
 
   bool is_bf16;  // else fp16 (CUDA); the CPU backend dispatches on its own
 };

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -17,11 +18,46 @@
 namespace flashattn {
 namespace {
 
+// dsink[b, h] = -sum over the rows i of head h of sequence b of exp(sink_h - lse_i) D_i (the
+// sink's probability times dP_sink - D = -D), from the backward's workspaces: lse2 = lse log2(e)
+// (+inf on padding rows) and D (0 there). With a variable-length q the rows between two
+// sequences' padded blocks belong to neither: zeroed before the preprocess, and the exponent
+// clamped to <= 0 (P_sink <= 1) keeps them at 0 * finite. Sums in fp64, a deterministic order.
+void sink_gradient_from_workspaces(const AttentionBwdParams& p, const at::Tensor& lse_log2,
+                                   const at::Tensor& softmax_d, const at::Tensor& sink,
+                                   const std::optional<at::Tensor>& cu_seqlens_q, at::Tensor& dsink) {
+  const at::Tensor sink_log2 = sink.mul(M_LOG2E);
+  const auto terms_of = [&](const at::Tensor& lse2, const at::Tensor& d, const at::Tensor& sink2) {
+    return (sink2 - lse2).clamp_max_(0.f).exp2_().mul_(d).to(at::kDouble);
+  };
+  if (!cu_seqlens_q.has_value()) {
+    const auto rows = [&](const at::Tensor& w) { return w.view({p.batch, p.nheads_q, p.workspace_head_stride}); };
+    const at::Tensor terms = terms_of(rows(lse_log2), rows(softmax_d), sink_log2.view({1, -1, 1}));
+    dsink.copy_(terms.sum(2).neg_());
+    return;
+  }
+  const auto rows = [&](const at::Tensor& w) { return w.view({p.nheads_q, p.workspace_head_stride}); };
+  const at::Tensor terms = terms_of(rows(lse_log2), rows(softmax_d), sink_log2.view({-1, 1}));
+  // Sequence b's rows: from backward_workspace_sequence's start to the next sequence's (the
+  // last to the head's end), summed as differences of a prefix sum.
+  const at::Tensor prefix = at::constant_pad_nd(terms.cumsum(1), {1, 0});
+  const at::Tensor first_rows = cu_seqlens_q->narrow(0, 0, p.batch).to(at::kLong);
+  const at::Tensor starts =
+      (first_rows + at::arange(p.batch, first_rows.options()) * kBackwardQueryRowRounding)
+          .div_(kBackwardQueryRowRounding, "floor")
+          .mul_(kBackwardQueryRowRounding);
+  const at::Tensor ends =
+      at::cat({starts.narrow(0, 1, p.batch - 1), at::full({1}, p.workspace_head_stride, starts.options())});
+  dsink.copy_((prefix.index_select(1, starts) - prefix.index_select(1, ends)).t());
+}
+
 struct BackwardLauncher {
   const AttentionBwdParams& params;  // everything but the workspaces
   at::TensorOptions device_options;
   DeviceLimits limits;
   cudaStream_t stream;
+  const AttentionOptions& opts;
+  at::Tensor& dsink;
 
   template <int W>
   cudaError_t launch() const {
@@ -40,6 +76,11 @@ struct BackwardLauncher {
                               : 0},
         device_options.dtype(at::kInt));
 
+    if (params.learnable_sink != nullptr && params.cu_seqlens_q != nullptr) {
+      softmax_d.zero_();
+      lse_log2.zero_();
+    }
+
     AttentionBwdParams p = params;
     p.dq_accum = dq_accum.data_ptr<float>();
     p.softmax_d = softmax_d.data_ptr<float>();
@@ -50,8 +91,13 @@ struct BackwardLauncher {
     p.workspace_batch_stride = geometry.batch_stride;
     p.workspace_head_stride = geometry.head_stride;
     p.workspace_rows = geometry.workspace_rows;
-    return p.is_bf16 ? launch_attention_backward<__nv_bfloat16, W>(p, limits, stream)
-                     : launch_attention_backward<__half, W>(p, limits, stream);
+    const cudaError_t status = dispatch_score_mod(backward_score_mod(p), [&](auto mod) {
+      return p.is_bf16 ? launch_attention_backward<__nv_bfloat16, W, mod()>(p, limits, stream)
+                       : launch_attention_backward<__half, W, mod()>(p, limits, stream);
+    });
+    if (status == cudaSuccess && params.learnable_sink != nullptr)
+      sink_gradient_from_workspaces(p, lse_log2, softmax_d, *opts.learnable_sink, opts.layout.cu_seqlens_q, dsink);
+    return status;
   }
 };
 
@@ -85,7 +131,13 @@ BackwardGradients attention_backward_cuda(FLASHATTN_BACKWARD_ARGS) {
   // torch.use_deterministic_algorithms(True) asks every op for a reproducible result.
   params.deterministic = deterministic || at::globalContext().deterministicAlgorithms();
   const BackwardLauncher launcher{params, q.options(), device_limits(q),
-                                  c10::cuda::getCurrentCUDAStream().stream()};
+                                  c10::cuda::getCurrentCUDAStream().stream(), opts, dsink};
+  // A variable-length k whose sequences are all empty (max_seqlen_k = 0) launches no key
+  // block: its gradient rows are zero.
+  if (params.seqlen_k == 0) {
+    dk.zero_();
+    dv.zero_();
+  }
   cudaError_t status = cudaSuccess;
   if (!dispatch_head_dim_tile(params.head_dim, launcher, &status))
     fail_head_dim_not_compiled(params.head_dim);

@@ -13,10 +13,10 @@
 
 namespace flashattn {
 
-template <typename Element, int kHeadDimTile>
+template <typename Element, int kHeadDimTile, ScoreMod kMod>
 cudaError_t launch_attention_backward(const AttentionBwdParams& params, const DeviceLimits& limits,
                                       cudaStream_t stream) {
-  using Plans = backward::BackwardPlans<kHeadDimTile>;
+  using Plans = backward::BackwardVariantPlans<kHeadDimTile, kMod>;
   if (params.head_dim_rounded != kHeadDimTile ||
       params.seqlen_q_rounded % kBackwardQueryRowRounding != 0 ||
       params.seqlen_q_rounded < params.seqlen_q)
@@ -33,24 +33,25 @@ cudaError_t launch_attention_backward(const AttentionBwdParams& params, const De
       Sm90BackwardArgs args;
       if (make_backward_sm90_args<Element, HopperShape>(params, &args))
         return backward::run_backward_passes<Element>(params, stream, [&] {
-          return launch_backward_sm90<Element, HopperShape>(args, stream);
+          return launch_backward_sm90<Element, HopperShape, kMod>(args, stream);
         });
       // else TMA cannot describe an input: the sm_80 kernel runs it.
     }
   }
   if (Plans::Large::kSmemBytes <= limits.max_smem_per_block)
-    return backward::launch_with_tile<Element, typename Plans::Large>(params, stream);
+    return backward::launch_with_tile<Element, typename Plans::Large, kMod>(params, stream);
   if (Plans::Small::kSmemBytes <= limits.max_smem_per_block)
-    return backward::launch_with_tile<Element, typename Plans::Small>(params, stream);
+    return backward::launch_with_tile<Element, typename Plans::Small, kMod>(params, stream);
   return cudaErrorInvalidConfiguration;
 }
 
-// Explicit instantiations of one head-dim tile for both element types (one .cu per width).
-#define FLASHATTN_INSTANTIATE_BACKWARD(W)                                                   \
-  template cudaError_t launch_attention_backward<__nv_bfloat16, W>(                         \
-      const AttentionBwdParams&, const DeviceLimits&, cudaStream_t);                        \
-  template cudaError_t launch_attention_backward<__half, W>(const AttentionBwdParams&,      \
-                                                            const DeviceLimits&, cudaStream_t);
+// Explicit instantiations of one head-dim tile and score-mod variant for both element types
+// (one .cu per width and variant).
+#define FLASHATTN_INSTANTIATE_BACKWARD(W, MOD)                                                        \
+  template cudaError_t launch_attention_backward<__nv_bfloat16, W, ScoreMod::MOD>(                    \
+      const AttentionBwdParams&, const DeviceLimits&, cudaStream_t);                                 \
+  template cudaError_t launch_attention_backward<__half, W, ScoreMod::MOD>(const AttentionBwdParams&, \
+                                                                           const DeviceLimits&, cudaStream_t);
 
 }  // namespace flashattn
 

@@ -9,6 +9,7 @@
 
 #include "common/attention_params.h"
 #include "cuda/device_limits.h"
+#include "cuda/score_mod.h"
 
 namespace flashattn {
 
@@ -66,7 +67,8 @@ FLASHATTN_HOST_DEVICE int64_t backward_workspace_row(const AttentionBwdParams& p
 
 // params must carry the workspace pointers and the geometry of
 // backward_workspace_geometry(params, kHeadDimTile).
-template <typename Element, int kHeadDimTile>
+// kMod: backward_score_mod(params).
+template <typename Element, int kHeadDimTile, ScoreMod kMod>
 cudaError_t launch_attention_backward(const AttentionBwdParams& params, const DeviceLimits& limits,
                                       cudaStream_t stream);
 

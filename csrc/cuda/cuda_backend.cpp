@@ -16,8 +16,15 @@ bool cuda_dtype_supported(at::ScalarType t) { return t == at::kHalf || t == at::
 }  // namespace
 
 const BackendFeatures& cuda_features() {
-  static const BackendFeatures features{"CUDA", /*softcap=*/false, /*alibi=*/false,
-                                        /*dropout=*/false, /*learnable_sink=*/false,
+  static const BackendFeatures features{"CUDA", /*softcap=*/true, /*alibi=*/true,
+                                        /*dropout=*/false, /*learnable_sink=*/true,
+                                        &cuda_dtype_supported};
+  return features;
+}
+
+const BackendFeatures& cuda_kvcache_features() {
+  static const BackendFeatures features{"CUDA", /*softcap=*/true, /*alibi=*/false,
+                                        /*dropout=*/false, /*learnable_sink=*/true,
                                         &cuda_dtype_supported};
   return features;
 }

@@ -9,8 +9,10 @@
 
 namespace flashattn {
 
-// Features and dtypes the CUDA kernels implement (argument checks refuse the rest).
+// Features and dtypes the CUDA kernels implement (argument checks refuse the rest): of the
+// attention ops, and of the KV-cache op.
 const BackendFeatures& cuda_features();
+const BackendFeatures& cuda_kvcache_features();
 
 // Refuses devices older than sm_80 (no bf16 mma.sync / cp.async) by name.
 void check_cuda_device(const at::Tensor& q);

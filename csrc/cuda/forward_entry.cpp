@@ -20,8 +20,10 @@ struct ForwardLauncher {
 
   template <int W>
   cudaError_t launch() const {
-    return params.is_bf16 ? launch_attention_forward<__nv_bfloat16, W>(params, limits, stream)
-                          : launch_attention_forward<__half, W>(params, limits, stream);
+    return dispatch_score_mod(forward_score_mod(params), [&](auto mod) {
+      return params.is_bf16 ? launch_attention_forward<__nv_bfloat16, W, mod()>(params, limits, stream)
+                            : launch_attention_forward<__half, W, mod()>(params, limits, stream);
+    });
   }
 };
 

@@ -12,30 +12,31 @@
 
 namespace flashattn {
 
-template <typename Element, int W>
+template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_attention_forward(const AttentionFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream) {
   using HopperShape = typename Sm90ForwardPlan<W>::Shape;
   if constexpr (!std::is_void_v<HopperShape>) {
     if (limits.hopper_kernels && HopperShape::kSmemBytes <= limits.max_smem_per_block) {
       bool launched = false;
-      const cudaError_t status = launch_forward_sm90<Element, HopperShape>(params, stream, &launched);
+      const cudaError_t status = launch_forward_sm90<Element, HopperShape, kMod>(params, stream, &launched);
       if (status != cudaSuccess || launched) return status;
       // else TMA cannot describe an input (a stride not a multiple of 16 bytes): the sm_80 kernel runs it.
     }
   }
   using Plan = ForwardTilePlan<W>;
   if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block)
-    return launch_forward_with_shape<Element, typename Plan::Primary>(params, stream);
+    return launch_forward_with_shape<Element, typename Plan::Primary, kMod>(params, stream);
   if (Plan::Fallback::kSmemBytes <= limits.max_smem_per_block)
-    return launch_forward_with_shape<Element, typename Plan::Fallback>(params, stream);
+    return launch_forward_with_shape<Element, typename Plan::Fallback, kMod>(params, stream);
   return cudaErrorInvalidConfiguration;
 }
 
-#define FLASHATTN_INSTANTIATE_FORWARD(W)                                                       \
-  template cudaError_t launch_attention_forward<__nv_bfloat16, W>(                            \
-      const AttentionFwdParams&, const DeviceLimits&, cudaStream_t);                          \
-  template cudaError_t launch_attention_forward<__half, W>(const AttentionFwdParams&,         \
-                                                           const DeviceLimits&, cudaStream_t);
+// One file per (W, variant): FLASHATTN_INSTANTIATE_FORWARD(W, kNone) and so on.
+#define FLASHATTN_INSTANTIATE_FORWARD(W, MOD)                                                         \
+  template cudaError_t launch_attention_forward<__nv_bfloat16, W, ScoreMod::MOD>(                     \
+      const AttentionFwdParams&, const DeviceLimits&, cudaStream_t);                                 \
+  template cudaError_t launch_attention_forward<__half, W, ScoreMod::MOD>(const AttentionFwdParams&, \
+                                                                          const DeviceLimits&, cudaStream_t);
 
 }  // namespace flashattn

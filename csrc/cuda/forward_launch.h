@@ -6,11 +6,13 @@
 
 #include "common/attention_params.h"
 #include "cuda/device_limits.h"
+#include "cuda/score_mod.h"
 
 namespace flashattn {
 
-// Runs the forward for one compiled head-dim tile width W (>= params.head_dim) on `stream`.
-template <typename Element, int W>
+// Runs the forward for one compiled head-dim tile width W (>= params.head_dim) and score-mod
+// variant (forward_score_mod(params)) on `stream`.
+template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_attention_forward(const AttentionFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream);
 

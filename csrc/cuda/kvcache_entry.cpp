@@ -36,8 +36,16 @@ struct KvcacheAttentionLauncher {
 
   template <int W>
   cudaError_t launch() const {
-    return params.is_bf16 ? launch_kvcache_attention<__nv_bfloat16, W>(params, limits, stream)
-                          : launch_kvcache_attention<__half, W>(params, limits, stream);
+    // The sink joins in the combine kernel, once per row: the splits leave it out.
+    const ScoreMod mod = params.softcap > 0.f ? ScoreMod::kSoftcap : ScoreMod::kNone;
+    return dispatch_score_mod(mod, [&](auto m) -> cudaError_t {
+      if constexpr (m() == ScoreMod::kBias || m() == ScoreMod::kSoftcapBias) {
+        return cudaErrorInvalidValue;  // ALiBi is refused for the KV cache
+      } else {
+        return params.is_bf16 ? launch_kvcache_attention<__nv_bfloat16, W, m()>(params, limits, stream)
+                              : launch_kvcache_attention<__half, W, m()>(params, limits, stream);
+      }
+    });
   }
 };
 
@@ -53,7 +61,7 @@ const int* int_data(const std::optional<at::Tensor>& t) { return t.has_value() ?
 
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCACHE_FORWARD_ARGS) {
   const KvcacheOptions opts = FLASHATTN_KVCACHE_OPTIONS;
-  check_kvcache_inputs(q, k_cache, v_cache, opts, cuda_features());
+  check_kvcache_inputs(q, k_cache, v_cache, opts, cuda_kvcache_features());
   check_cuda_device(q);
   check_cache_rows_aligned(k_cache, "k_cache");
   check_cache_rows_aligned(v_cache, "v_cache");
@@ -104,6 +112,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   p.seqused_k = int_data(seqused_k);
   p.softmax_scale = static_cast<float>(opts.softmax_scale);
   p.softmax_scale_log2 = static_cast<float>(opts.softmax_scale * M_LOG2E);
+  p.softcap = static_cast<float>(opts.softcap);
+  if (opts.learnable_sink.has_value()) p.learnable_sink = opts.learnable_sink->data_ptr<float>();
   const AttentionOptions window_opts{opts.softmax_scale, opts.causal, opts.window_left, opts.window_right,
                                      opts.softcap,       std::nullopt, 0.0, std::nullopt, SequenceLayout{},
                                      std::nullopt};

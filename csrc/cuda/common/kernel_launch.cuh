@@ -18,6 +18,7 @@ cudaError_t launch_on_flat_grid(Kernel kernel, int64_t blocks, int threads, int 
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (status != cudaSuccess) return status;
   }
+  if (blocks == 0) return cudaSuccess;  // no tile: nothing to compute (no keys at all, say)
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   kernel<<<static_cast<unsigned>(blocks), threads, smem_bytes, stream>>>(args);
   return cudaGetLastError();

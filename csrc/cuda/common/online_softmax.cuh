@@ -7,22 +7,34 @@
 
 #include "common/attention_mask.h"
 #include "cuda/common/mma_primitives.cuh"
+#include "cuda/common/score_transform.cuh"
 
 namespace flashattn {
 
 // Online-softmax step for one S block of a warp's rows: scores to the log2
-// domain (one FMUL; the max is taken after scaling so any sign of softmax_scale
-// is right), the element mask when a boundary cuts the tile (a separate
+// domain (score_transform.cuh: one FMUL for plain scores; the max is taken after
+// scaling so any sign of softmax_scale is right), the element mask when a boundary cuts the tile (a separate
 // instantiation, so unmasked tiles run straight-line code), the running max and
 // sum, and P = exp2(S - max) left in acc_s. The factor each row's O must be
 // scaled by goes to `corrections` (rescale_output applies it), so that a caller
 // can rescale O later, once a product still accumulating into it has finished.
-template <bool kMasked, int kMTiles, int kNTiles, typename Mask>
+template <bool kMasked, int kMTiles, int kNTiles, typename Transform, typename Mask>
 __device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][4], float (&row_max)[kMTiles][2],
                                                float (&row_sum)[kMTiles][2], float (&corrections)[kMTiles][2],
-                                               float scale_log2, const Mask& mask, int warp_row_begin,
+                                               const Transform& transform, const Mask& mask, int warp_row_begin,
                                                int n_begin, int lane) {
   const int quad_row = lane / 4, quad_col = (lane % 4) * 2;
+  // The ALiBi distance of this lane's first column in each of its rows; the other columns
+  // are compile-time offsets from it.
+  float row_distance[kMTiles][2];
+  if constexpr (Transform::kUsesDistance) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        row_distance[mt][h] =
+            float(mask.diagonal_of_row(warp_row_begin + mt * 16 + quad_row + h * 8) - (n_begin + quad_col));
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -30,7 +42,7 @@ __device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float& s = acc_s[mt][nt][e];
-        s *= scale_log2;
+        s = transform(s, Transform::kUsesDistance ? row_distance[mt][e / 2] - float(nt * 8 + e % 2) : 0.f);
         if (kMasked) {
           const int i = warp_row_begin + mt * 16 + quad_row + (e / 2) * 8;
           const int j = n_begin + nt * 8 + quad_col + (e % 2);
@@ -65,6 +77,21 @@ __device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][
     }
 }
 
+// The rows' state before the first key block with a learnable sink of logit sink_log2 (log2
+// units, -inf: none): max = sink, sum = exp2(sink - max) = 1, held by the first lane of each
+// quad (the epilogue sums the quad's parts).
+template <int kMTiles>
+__device__ __forceinline__ void start_rows_at_sink(float (&row_max)[kMTiles][2], float (&row_sum)[kMTiles][2],
+                                                   float sink_log2, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[mt][h] = sink_log2;
+      row_sum[mt][h] = lane % 4 == 0 && sink_log2 != -INFINITY ? 1.f : 0.f;
+    }
+}
+
 // O *= correction per row. Past the first blocks the running max rarely moves,
 // so the rescale (W/8 multiplies per row per block, as many as the scores of a
 // 32-wide block) is skipped when no row of the warp needs it; exact, since the
@@ -89,15 +116,15 @@ __device__ __forceinline__ void rescale_output(float (&acc_o)[kMTiles][kDTiles][
 }
 
 // The whole step where O can be rescaled at once: softmax_scores, then rescale_output.
-template <bool kMasked, int kMTiles, int kNTiles, int kDTiles, typename Mask>
+template <bool kMasked, int kMTiles, int kNTiles, int kDTiles, typename Transform, typename Mask>
 __device__ __forceinline__ void softmax_update(float (&acc_s)[kMTiles][kNTiles][4],
                                                float (&acc_o)[kMTiles][kDTiles][4],
                                                float (&row_max)[kMTiles][2],
-                                               float (&row_sum)[kMTiles][2], float scale_log2,
+                                               float (&row_sum)[kMTiles][2], const Transform& transform,
                                                const Mask& mask, int warp_row_begin,
                                                int n_begin, int lane) {
   float corrections[kMTiles][2];
-  softmax_scores<kMasked>(acc_s, row_max, row_sum, corrections, scale_log2, mask, warp_row_begin, n_begin, lane);
+  softmax_scores<kMasked>(acc_s, row_max, row_sum, corrections, transform, mask, warp_row_begin, n_begin, lane);
   rescale_output(acc_o, corrections);
 }
 

@@ -1,7 +1,8 @@
 // After the KV-cache attention: each packed row's split-KV partials merged by their
-// log-sum-exp, O = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s), and
-// written to its (query position, head) of out and lse. A row no split saw a key for
-// gets O = 0 and lse = +inf, as from the other forward kernels. One warp per row.
+// log-sum-exp, O = sum_s exp(lse_s - lse) O_s with lse = log (sum_s exp(lse_s) + exp(sink))
+// (the learnable sink joins here, once, not in each split), and written to its (query
+// position, head) of out and lse. A row no split saw a key for gets O = 0 and lse = +inf
+// (lse = sink with a sink), as from the other forward kernels. One warp per row.
 #pragma once
 
 #include <cmath>
@@ -36,12 +37,15 @@ __global__ void kvcache_combine_kernel(const __grid_constant__ KvcacheFwdParams 
   const int position = r / p.group, head = kv_head * p.group + r % p.group;
   const int64_t split_stride = rows;  // partial rows between one split and the next
 
-  float max_lse = -INFINITY;
+  const float sink = p.learnable_sink != nullptr ? p.learnable_sink[head] : -INFINITY;
+  float max_lse = sink;
   for (int s = lane; s < p.num_splits; s += 32) max_lse = fmaxf(max_lse, p.lse_partial[s * split_stride + row]);
   max_lse = warp_max(max_lse);
   float sum = 0.f;
-  if (max_lse != -INFINITY)
+  if (max_lse != -INFINITY) {
     for (int s = lane; s < p.num_splits; s += 32) sum += expf(p.lse_partial[s * split_stride + row] - max_lse);
+    if (lane == 0 && sink != -INFINITY) sum += expf(sink - max_lse);
+  }
   sum = warp_sum(sum);
   const bool has_keys = max_lse != -INFINITY;
   const float lse = has_keys ? max_lse + logf(sum) : INFINITY;

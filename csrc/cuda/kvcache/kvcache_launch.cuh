@@ -36,11 +36,21 @@ struct KvcacheTilePlan<256> {  // the score loop half unrolled
   using Fallback = ForwardTileShape<256, 32, 16, 2>;
 };
 
+// softcap at W = 256: 16-key blocks (32 spilled: the tanh's operands on top of the plain
+// kernel's 255 registers). The split count is still chosen from the plain plan's tile.
+template <int W, ScoreMod kMod>
+struct KvcacheVariantPlan : KvcacheTilePlan<W> {};
+template <>
+struct KvcacheVariantPlan<256, ScoreMod::kSoftcap> {
+  using Primary = ForwardTileShape<256, 64, 16, 4>;
+  using Fallback = ForwardTileShape<256, 32, 16, 2>;
+};
+
 template <int W>
 KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits) {
   const auto info = [&](auto shape) {
     using Shape = decltype(shape);
-    const auto kernel = kvcache_forward_kernel<__nv_bfloat16, Shape>;
+    const auto kernel = kvcache_forward_kernel<__nv_bfloat16, Shape, ScoreMod::kNone>;
     int blocks = 1;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape::kThreads, Shape::kSmemBytes) !=
@@ -53,26 +63,29 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits) {
   return info(typename Plan::Fallback{});
 }
 
-template <typename Element, int W>
+template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream) {
   const auto launch = [&](auto shape) {
     using Shape = decltype(shape);
-    return launch_on_flat_grid(kvcache_forward_kernel<Element, Shape>,
+    return launch_on_flat_grid(kvcache_forward_kernel<Element, Shape, kMod>,
                                KvcacheBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads,
                                Shape::kSmemBytes, stream, params);
   };
-  using Plan = KvcacheTilePlan<W>;
+  using Plan = KvcacheVariantPlan<W, kMod>;
   if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block) return launch(typename Plan::Primary{});
   if (Plan::Fallback::kSmemBytes <= limits.max_smem_per_block) return launch(typename Plan::Fallback{});
   return cudaErrorInvalidConfiguration;
 }
 
-#define FLASHATTN_INSTANTIATE_KVCACHE(W)                                                          \
-  template KvcacheTileInfo kvcache_tile_info<W>(const DeviceLimits&);                             \
-  template cudaError_t launch_kvcache_attention<__nv_bfloat16, W>(const KvcacheFwdParams&,       \
-                                                                  const DeviceLimits&, cudaStream_t); \
-  template cudaError_t launch_kvcache_attention<__half, W>(const KvcacheFwdParams&, const DeviceLimits&, \
-                                                           cudaStream_t);
+#define FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, MOD)                                                         \
+  template cudaError_t launch_kvcache_attention<__nv_bfloat16, W, ScoreMod::MOD>(const KvcacheFwdParams&,      \
+                                                                               const DeviceLimits&, cudaStream_t); \
+  template cudaError_t launch_kvcache_attention<__half, W, ScoreMod::MOD>(const KvcacheFwdParams&,             \
+                                                                        const DeviceLimits&, cudaStream_t);
+#define FLASHATTN_INSTANTIATE_KVCACHE(W)                              \
+  template KvcacheTileInfo kvcache_tile_info<W>(const DeviceLimits&); \
+  FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kNone)                     \
+  FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kSoftcap)
 
 }  // namespace flashattn

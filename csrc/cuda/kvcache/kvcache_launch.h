@@ -8,6 +8,7 @@
 
 #include "common/kvcache_params.h"
 #include "cuda/device_limits.h"
+#include "cuda/score_mod.h"
 
 namespace flashattn {
 
@@ -32,8 +33,9 @@ int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows,
 cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,
                                    cudaStream_t stream);
 
-// The attention of the packed queries against the cache, into the partial outputs.
-template <typename Element, int W>
+// The attention of the packed queries against the cache, into the partial outputs; kMod:
+// kNone or kSoftcap (the KV cache takes no ALiBi, and its sink joins in the combine).
+template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream);
 

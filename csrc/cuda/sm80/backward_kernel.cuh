@@ -9,10 +9,11 @@
 //      GQA group and, per head, every query block that sees one of its keys (MaskGeometry
 //      ranges; invisible blocks are never loaded). Per query block (BM queries):
 //        Sᵀ  = K Qᵀ                          (recomputed, never stored)
-//        Pᵀ  = exp2(Sᵀ·scale·log2e − lse2)   (element mask only on tiles that straddle it)
+//        Pᵀ  = exp2(logit(Sᵀ) − lse2)        (element mask only on tiles that straddle it;
+//                                              logit: score_transform.cuh)
 //        dV += Pᵀ dO
 //        dPᵀ = V dOᵀ
-//        dSᵀ = Pᵀ ∘ (dPᵀ − D)
+//        dSᵀ = Pᵀ ∘ (dPᵀ − D)               (with softcap also ∘ (1 − t²), t the capped score)
 //        dK += dSᵀ Q
 //        dQ_accum += dS K                    (fp32 red.global into the workspace)
 //      At the end dK is scaled by softmax_scale and both are written in the output dtype.
@@ -67,6 +68,7 @@
 #include "cuda/backward_launch.h"
 #include "cuda/common/backward_passes.cuh"
 #include "cuda/common/mma_primitives.cuh"
+#include "cuda/common/score_transform.cuh"
 #include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm80/smem_tile.cuh"
 
@@ -249,7 +251,7 @@ struct BlockSequence {
 
 // ---------------------------------------------------------------------------------------
 // 2. The main kernel (see the header comment).
-template <typename Element, typename Tile>
+template <typename Element, typename Tile, ScoreMod kMod>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     attention_backward_kernel(const AttentionBwdParams p) {
   constexpr int W = Tile::kHeadDimTile;
@@ -373,20 +375,42 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 
     // Sᵀ = K Qᵀ, then Pᵀ, kept rounded to Element pairs: that is the A operand of dV += Pᵀ dO
     // as it is, and it frees 16 registers while dPᵀ is computed.
+    // With softcap, 1 - t^2 of each pair of scores waits for dS in the dS tile, in this lane's
+    // own slots (it reads them back before its dS overwrites them; the barrier at the top of
+    // the iteration ordered the previous dQ product's reads before): registers are what the
+    // tiles lack (W = 96 spilled).
+    using Transform = ScoreTransform<kMod>;
     uint32_t pt[kQTiles][2];
     {
       float s[kQTiles][4] = {};
       mma_a_bt<Element, KVTile, QTile, W, kQTiles>(s, k_as_a, q_stage + qdo_as_bt);
       const bool masked = !seq.mask(p).tile_fully_visible(m0, min(m0 + BM, seq.seqlen_q), n0, n0 + BN);
+      const Transform transform(p, b, h);
+      // The ALiBi distance of query m0 + query_col0 + 2t from the lane's key of each half.
+      float key_distance[2];
+      if constexpr (Transform::kUsesDistance) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          key_distance[half] =
+              float(seq.mask(p).diagonal_of_row(m0 + query_col0 + 2 * t) - (n0 + key_row0 + g + 8 * half));
+      }
 #pragma unroll
       for (int j = 0; j < kQTiles; ++j) {
         const int col = query_col0 + 8 * j + 2 * t;
         const float2 lse2 = *reinterpret_cast<const float2*>(lse2_s + col);
+        if constexpr (Transform::kSoftcap) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] = transform.capped(s[j][e]);
+          *reinterpret_cast<uint32_t*>(smem + Tile::kOffDS + tile_offset<ScoreTile>(key_row0 + g, col)) =
+              pack_tanh_derivative(s[j][0], s[j][1]);
+          *reinterpret_cast<uint32_t*>(smem + Tile::kOffDS + tile_offset<ScoreTile>(key_row0 + g + 8, col)) =
+              pack_tanh_derivative(s[j][2], s[j][3]);
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
+          const float distance = Transform::kUsesDistance ? key_distance[e >> 1] + float(8 * j + (e & 1)) : 0.f;
           // lse2 = +inf (a row that sees no key, or padding) gives exp2(-inf) = 0, never NaN.
-          const float x =
-              fast_exp2(fmaf(s[j][e], p.softmax_scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+          const float x = fast_exp2(transform.logit_of(s[j][e], distance, -((e & 1) ? lse2.y : lse2.x)));
           const int query = m0 + col + (e & 1);
           const bool visible = query >= visible_begin[e >> 1] && query < visible_end[e >> 1];
           s[j][e] = masked && !visible ? 0.f : x;
@@ -420,6 +444,17 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       dp[j][1] = p_lo.y * (dp[j][1] - dsum.y);
       dp[j][2] = p_hi.x * (dp[j][2] - dsum.x);
       dp[j][3] = p_hi.y * (dp[j][3] - dsum.y);
+      if constexpr (Transform::kSoftcap) {
+        const int col = query_col0 + 8 * j + 2 * t;
+        const float2 d_lo = unpack_tanh_derivative(
+            *reinterpret_cast<const uint32_t*>(smem + Tile::kOffDS + tile_offset<ScoreTile>(key_row0 + g, col)));
+        const float2 d_hi = unpack_tanh_derivative(
+            *reinterpret_cast<const uint32_t*>(smem + Tile::kOffDS + tile_offset<ScoreTile>(key_row0 + g + 8, col)));
+        dp[j][0] *= d_lo.x;
+        dp[j][1] *= d_lo.y;
+        dp[j][2] *= d_hi.x;
+        dp[j][3] *= d_hi.y;
+      }
     }
     store_accumulator<Element, ScoreTile>(smem + Tile::kOffDS, dp, key_row0, query_col0, lane, 1.f);
     if constexpr (Tile::kWarpsD == 1) {

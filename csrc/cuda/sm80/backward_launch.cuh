@@ -60,16 +60,29 @@ struct BackwardPlans<256> {
   using Small = BackwardTile<256, 32, 32, 2, 1, 1, 128>;
 };
 
-template <typename Element, typename Tile>
+// The plans of a score-mod variant: softcap's tanh and its derivative tip the W = 128 large
+// plan (at 246-255 registers) into spills, so its variants run the small one.
+template <int W, ScoreMod kMod>
+struct BackwardVariantPlans : BackwardPlans<W> {};
+struct BackwardSmallPlans128 {
+  using Large = BackwardPlans<128>::Small;
+  using Small = Large;
+};
+template <>
+struct BackwardVariantPlans<128, ScoreMod::kSoftcap> : BackwardSmallPlans128 {};
+template <>
+struct BackwardVariantPlans<128, ScoreMod::kSoftcapBias> : BackwardSmallPlans128 {};
+
+template <typename Element, typename Tile, ScoreMod kMod>
 cudaError_t launch_main_kernel(const AttentionBwdParams& p, cudaStream_t stream) {
-  return launch_on_flat_grid(attention_backward_kernel<Element, Tile>, BackwardBlock::grid_blocks(p, Tile::kBlockN),
+  return launch_on_flat_grid(attention_backward_kernel<Element, Tile, kMod>, BackwardBlock::grid_blocks(p, Tile::kBlockN),
                              Tile::kThreads, Tile::kSmemBytes, stream, p);
 }
 
-template <typename Element, typename Tile>
+template <typename Element, typename Tile, ScoreMod kMod>
 cudaError_t launch_with_tile(const AttentionBwdParams& p, cudaStream_t stream) {
   return run_backward_passes<Element>(
-      p, stream, [&] { return launch_main_kernel<Element, Tile>(p, stream); });
+      p, stream, [&] { return launch_main_kernel<Element, Tile, kMod>(p, stream); });
 }
 
 }  // namespace backward

@@ -11,7 +11,7 @@
 
 namespace flashattn {
 
-template <typename Element, typename Shape>
+template <typename Element, typename Shape, ScoreMod kMod>
 __global__ void __launch_bounds__(Shape::kThreads)
     attention_forward_kernel(const __grid_constant__ AttentionFwdParams params) {
   using QTile = typename Shape::QTile;
@@ -40,9 +40,10 @@ __global__ void __launch_bounds__(Shape::kThreads)
     KVTile::template load_async<Shape::kThreads>(kv_smem + KVTile::kBytes, v_ptr + n0 * params.v_strides.row, params.v_strides.row,
                                                  seq.seqlen_k - n0, params.head_dim, thread);
   };
-  ForwardRowState<Shape> state;
-  forward_mainloop<Element, Shape>(q_smem, load_q, load_kv_block, blk.mask, blk.m_begin, blk.n_block_first,
-                                   blk.n_block_last, params, state);
+  ForwardRowState<Shape> state(kMod == ScoreMod::kNone ? -INFINITY : sink_logit_log2(params, blk.head), lane);
+  forward_mainloop<Element, Shape>(
+      q_smem, load_q, load_kv_block, blk.mask, [&] { return ScoreTransform<kMod>(params, blk.batch, blk.head); },
+      blk.m_begin, blk.n_block_first, blk.n_block_last, state);
 
   store_forward_rows<Element>(state.acc_o, state.row_max, state.row_sum, out_ptr,
                               params.out_strides.row, lse_ptr, warp * Shape::kRowsPerWarp,

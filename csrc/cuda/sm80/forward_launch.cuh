@@ -56,9 +56,9 @@ struct ForwardTilePlan<256> {
   using Fallback = ForwardTileShape<256, 64, 32, 4>;
 };
 
-template <typename Element, typename Shape>
+template <typename Element, typename Shape, ScoreMod kMod>
 cudaError_t launch_forward_with_shape(const AttentionFwdParams& params, cudaStream_t stream) {
-  return launch_on_flat_grid(attention_forward_kernel<Element, Shape>,
+  return launch_on_flat_grid(attention_forward_kernel<Element, Shape, kMod>,
                              ForwardBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads,
                              Shape::kSmemBytes, stream, params);
 }

@@ -73,19 +73,16 @@ struct ForwardRowState {
   float row_max[Shape::kMTiles][2];
   float row_sum[Shape::kMTiles][2];
 
-  __device__ __forceinline__ ForwardRowState() {
+  // sink_log2: the learnable sink's logit (score_transform.cuh), -inf without one.
+  __device__ __forceinline__ explicit ForwardRowState(float sink_log2 = -INFINITY, int lane = 0) {
 #pragma unroll
     for (int mt = 0; mt < Shape::kMTiles; ++mt) {
 #pragma unroll
       for (int dt = 0; dt < Shape::kDTiles; ++dt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        row_max[mt][h] = -INFINITY;
-        row_sum[mt][h] = 0.f;
-      }
     }
+    start_rows_at_sink(row_max, row_sum, sink_log2, lane);
   }
 };
 
@@ -93,14 +90,14 @@ struct ForwardRowState {
 // (nothing when last < first), into `state`. `load_q(q_smem)` and
 // `load_kv_block(kv_smem, n_block)` issue the cp.async copies of the Q tile and of one key
 // block's K and V tiles (V's at kv_smem + KVTile::kBytes) (zero-filling rows past the sequence); `mask` answers
-// which (row, key) pairs are visible (MaskGeometry, PackedRowsMask). `params` is the
-// kernel's __grid_constant__ one: the softmax scale is read from the constant bank at
-// each use (a register held through the loop cost the W = 128 kernel spills).
-template <typename Element, typename Shape, typename Mask, typename LoadQ, typename LoadKVBlock>
+// which (row, key) pairs are visible (MaskGeometry, PackedRowsMask); `score_transform()`
+// gives the ScoreTransform (score_transform.cuh) that turns a block's scores into logits.
+template <typename Element, typename Shape, typename Mask, typename MakeTransform, typename LoadQ,
+          typename LoadKVBlock>
 __device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& load_q,
                                                  const LoadKVBlock& load_kv_block, const Mask& mask,
-                                                 int m_begin, int n_block_first, int n_block_last,
-                                                 const AttentionFwdParams& params, ForwardRowState<Shape>& state) {
+                                                 const MakeTransform& score_transform, int m_begin,
+                                                 int n_block_first, int n_block_last, ForwardRowState<Shape>& state) {
   using Mma = MmaElement<Element>;
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kHeadDim = Shape::kHeadDim;
   constexpr int kMTiles = Shape::kMTiles, kNTiles = Shape::kNTiles, kDTiles = Shape::kDTiles;
@@ -178,11 +175,11 @@ __device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& l
 
     const int n_begin = n_block * kBlockN;
     if (mask.tile_fully_visible(m_begin, m_begin + kBlockM, n_begin, n_begin + kBlockN))
-      softmax_update<false>(acc_s, acc_o, row_max, row_sum, params.softmax_scale_log2, mask,
-                          m_begin + warp_row, n_begin, lane);
+      softmax_update<false>(acc_s, acc_o, row_max, row_sum, score_transform(), mask, m_begin + warp_row, n_begin,
+                            lane);
     else
-      softmax_update<true>(acc_s, acc_o, row_max, row_sum, params.softmax_scale_log2, mask,
-                          m_begin + warp_row, n_begin, lane);
+      softmax_update<true>(acc_s, acc_o, row_max, row_sum, score_transform(), mask, m_begin + warp_row, n_begin,
+                           lane);
 
     // O += P V, P from the S accumulators (two n8 tiles = one k16 A fragment).
 #pragma unroll

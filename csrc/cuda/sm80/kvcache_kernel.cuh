@@ -12,7 +12,7 @@
 
 namespace flashattn {
 
-template <typename Element, typename Shape>
+template <typename Element, typename Shape, ScoreMod kMod>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     kvcache_forward_kernel(const __grid_constant__ KvcacheFwdParams params) {
   using QTile = typename Shape::QTile;
@@ -50,8 +50,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     load_cache_tile(kv_smem + KVTile::kBytes, v_cache, params.v_strides, n_block * Shape::kBlockN);
   };
   ForwardRowState<Shape> state;
-  forward_mainloop<Element, Shape>(q_smem, load_q, load_kv_block, blk.mask, blk.m_begin, blk.n_block_first,
-                                   blk.n_block_last, params, state);
+  forward_mainloop<Element, Shape>(
+      q_smem, load_q, load_kv_block, blk.mask,
+      [&] { return ScoreTransform<kMod>(params, blk.batch, blk.kv_head); }, blk.m_begin,
+      blk.n_block_first, blk.n_block_last, state);
 
   const int64_t partial_row = blk.partial_row(params);
   store_forward_rows<float>(state.acc_o, state.row_max, state.row_sum,

@@ -13,7 +13,9 @@
 // their dK, dV. Per query block of kBlockM = 64 queries, each warpgroup:
 //   Sᵀ  = K Qᵀ,  dPᵀ = V dOᵀ                  (wgmma SS, M = its 64 keys, N = 64 queries, K = head
 //                                              dim; both from shared memory K-major, issued together)
-//   Pᵀ  = exp2(Sᵀ·scale·log2e − lse2),  dSᵀ = Pᵀ ∘ (dPᵀ − D)      (on the accumulators)
+//   Pᵀ  = exp2(logit(Sᵀ) − lse2),  dSᵀ = Pᵀ ∘ (dPᵀ − D)           (on the accumulators;
+//                                              logit: score_transform.cuh; with softcap
+//                                              dSᵀ also ∘ (1 − t²))
 //   dV += Pᵀ dO,  dK += dSᵀ Q                 (wgmma RS: Pᵀ, dSᵀ from registers, the
 //                                              accumulator layout being the A fragment; dO, Q
 //                                              MN-major from shared memory)
@@ -81,6 +83,7 @@
 #include "cuda/backward_launch.h"
 #include "cuda/common/backward_passes.cuh"
 #include "cuda/common/mma_primitives.cuh"
+#include "cuda/common/score_transform.cuh"
 #include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm90/hopper_primitives.cuh"
 #include "cuda/sm90/pipeline_state.cuh"
@@ -149,17 +152,31 @@ namespace backward {
 // Pᵀ in place of Sᵀ (this warp's 16 keys x kColumns queries, the m16n8 accumulator layout:
 // element 4j + e is key row g + 8 (e / 2), query 8j + 2t + e % 2, with lse2[j] the pair of
 // those two queries). kMasked: the tile is cut by the mask or the end of the keys; keys past
-// seqlen_k have an empty visible range.
-template <bool kMasked, int kColumns>
+// seqlen_k have an empty visible range. key_distance[half]: the ALiBi distance (query + seqlen_k
+// - seqlen_q - key) of query0 + 2t from the lane's key of that half. With softcap, the
+// derivative 1 - t^2 of each pair waits for dS at tanh_derivative(j, half), this lane's own
+// slot of the score tile dS goes to (registers are what the kernel lacks: 36 bytes of spills
+// at W = 128).
+template <bool kMasked, int kColumns, typename Transform, typename DerivativeSlot>
 __device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2], const float2 (&lse2)[kColumns / 8],
-                                                        float scale_log2, int query0, const int (&visible_begin)[2],
-                                                        const int (&visible_end)[2], int t) {
+                                                        const Transform& transform, const float (&key_distance)[2],
+                                                        const DerivativeSlot& tanh_derivative, int query0,
+                                                        const int (&visible_begin)[2], const int (&visible_end)[2],
+                                                        int t) {
 #pragma unroll
   for (int j = 0; j < kColumns / 8; ++j) {
+    if constexpr (Transform::kSoftcap) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[4 * j + e] = transform.capped(s[4 * j + e]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *tanh_derivative(j, half) = pack_tanh_derivative(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]);
+    }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
+      const float distance = key_distance[e >> 1] + float(8 * j + (e & 1));
       // lse2 = +inf (a query that sees no key, or past seqlen_q) gives exp2(-inf) = 0.
-      const float x = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 1) ? lse2[j].y : lse2[j].x)));
+      const float x = fast_exp2(transform.logit_of(s[4 * j + e], distance, -((e & 1) ? lse2[j].y : lse2[j].x)));
       if constexpr (kMasked) {
         const int query = query0 + 8 * j + 2 * t + (e & 1);
         s[4 * j + e] = query >= visible_begin[e >> 1] && query < visible_end[e >> 1] ? x : 0.f;
@@ -177,25 +194,30 @@ __device__ __forceinline__ void load_row_stats(float2 (&dst)[kColumns / 8], cons
   for (int j = 0; j < kColumns / 8; ++j) dst[j] = *reinterpret_cast<const float2*>(row_stats + 8 * j + 2 * t);
 }
 
-// A warp's 16 key rows x kColumns queries of accumulator values into a swizzled score tile (key
-// rows of 64 queries: one 128-byte row each), starting at query column 8 * chunk0: the 16-byte
-// chunk c of row r sits at chunk c ^ (r % 8), and r % 8 = g for both of this lane's rows.
+// This lane's pair (j, half) of a warp's 16 key rows x queries in a swizzled score tile (key rows
+// of 64 queries: one 128-byte row each), from query column 8 * chunk0: the 16-byte chunk c of
+// row r sits at chunk c ^ (r % 8), and r % 8 = g for both of this lane's rows.
+__device__ __forceinline__ uint32_t* score_tile_pair(unsigned char* tile, int key_row0, int chunk0, int j, int half,
+                                                     int g, int t) {
+  const int row = key_row0 + g + 8 * half;
+  return reinterpret_cast<uint32_t*>(tile + row * sm90::kSwizzleBytes + (((chunk0 + j) ^ g) * 16) + 4 * t);
+}
+
+// A warp's 16 key rows x kColumns queries of accumulator values into a swizzled score tile.
 template <typename Element, int kColumns>
 __device__ __forceinline__ void store_score_tile(unsigned char* tile, const float (&v)[kColumns / 2], int key_row0,
                                                  int chunk0, int g, int t) {
 #pragma unroll
   for (int j = 0; j < kColumns / 8; ++j)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = key_row0 + g + 8 * half;
-      *reinterpret_cast<uint32_t*>(tile + row * sm90::kSwizzleBytes + (((chunk0 + j) ^ g) * 16) + 4 * t) =
+    for (int half = 0; half < 2; ++half)
+      *score_tile_pair(tile, key_row0, chunk0, j, half, g, t) =
           MmaElement<Element>::pack(v[4 * j + 2 * half], v[4 * j + 2 * half + 1]);
-    }
 }
 
 }  // namespace backward
 
-template <typename Element, typename Shape>
+template <typename Element, typename Shape, ScoreMod kMod>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     attention_backward_sm90_kernel(const __grid_constant__ Sm90BackwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -346,13 +368,24 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     float2 lse2[NQ / 8], dsum[NQ / 8];
     backward::load_row_stats<NQ>(lse2, row_stat_buffers + buf * BM + wg_query0, t);
     const int wg_key_begin = n0 + wg_key0, wg_query_begin = m0 + wg_query0;
+    const ScoreTransform<kMod> transform(p, b, h);
+    float key_distance[2];
+    // The dS tile of this iteration's buffer, free since the previous iteration's barrier.
+    const auto tanh_derivative = [&](int j, int half) {
+      return backward::score_tile_pair(base_ptr + score_offset(buf, 0), key_row0, wg_query0 / 8, j, half, g, t);
+    };
+    if constexpr (ScoreTransform<kMod>::kUsesDistance) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        key_distance[half] = float(mask.diagonal_of_row(wg_query_begin + 2 * t) - (n0 + key_row0 + g + 8 * half));
+    }
     if (mask.tile_fully_visible(wg_query_begin, min(wg_query_begin + NQ, seq.seqlen_q), wg_key_begin,
                                 wg_key_begin + Shape::kKeysPerWarpgroup))
-      backward::scores_to_probabilities<false, NQ>(s, lse2, p.softmax_scale_log2, wg_query_begin, visible_begin,
-                                                   visible_end, t);
+      backward::scores_to_probabilities<false, NQ>(s, lse2, transform, key_distance, tanh_derivative,
+                                                   wg_query_begin, visible_begin, visible_end, t);
     else
-      backward::scores_to_probabilities<true, NQ>(s, lse2, p.softmax_scale_log2, wg_query_begin, visible_begin,
-                                                  visible_end, t);
+      backward::scores_to_probabilities<true, NQ>(s, lse2, transform, key_distance, tanh_derivative,
+                                                  wg_query_begin, visible_begin, visible_end, t);
 
     sm90::wgmma_wait<0>();
     sm90::fence_registers(dp);
@@ -360,7 +393,13 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < NQ / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
+      for (int e = 0; e < 4; ++e) {
+        dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
+        if constexpr (ScoreTransform<kMod>::kSoftcap) {
+          const float2 derivative = unpack_tanh_derivative(*tanh_derivative(j, e >> 1));
+          dp[4 * j + e] *= (e & 1) ? derivative.y : derivative.x;
+        }
+      }
 
     if constexpr (!kSplit) {
       // Pᵀ and dSᵀ as the A fragments of the k16 steps over the 64 queries.

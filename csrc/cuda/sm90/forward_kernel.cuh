@@ -87,7 +87,7 @@ struct Sm90ForwardArgs {
 
 // kDense: instantiated for calls without per-sequence bounds (SequenceInfo's `dense`);
 // holding those bounds in registers cost the d 64/128 kernels 3-5 % at short sequences.
-template <typename Element, typename Shape, bool kDense>
+template <typename Element, typename Shape, bool kDense, ScoreMod kMod>
 __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     attention_forward_sm90_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -155,8 +155,9 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     const int warp_row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's 16 rows
 
     float acc_o[1][kDTiles][4];
-    float row_max[1][2] = {{-INFINITY, -INFINITY}};
-    float row_sum[1][2] = {{0.f, 0.f}};
+    float row_max[1][2], row_sum[1][2];
+    start_rows_at_sink(row_max, row_sum, kMod == ScoreMod::kNone ? -INFINITY : sink_logit_log2(params, blk.head),
+                       lane);
   #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
   #pragma unroll
@@ -183,11 +184,11 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     const auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2], int it) {
       const int n_begin = (blk.n_block_last - it) * kBlockN;
       if (blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN))
-        softmax_scores<false>(acc_s, row_max, row_sum, corrections, params.softmax_scale_log2, blk.mask,
-                              blk.m_begin + warp_row, n_begin, lane);
+        softmax_scores<false>(acc_s, row_max, row_sum, corrections, ScoreTransform<kMod>(params, blk.batch, blk.head),
+                              blk.mask, blk.m_begin + warp_row, n_begin, lane);
       else
-        softmax_scores<true>(acc_s, row_max, row_sum, corrections, params.softmax_scale_log2, blk.mask,
-                             blk.m_begin + warp_row, n_begin, lane);
+        softmax_scores<true>(acc_s, row_max, row_sum, corrections, ScoreTransform<kMod>(params, blk.batch, blk.head),
+                             blk.mask, blk.m_begin + warp_row, n_begin, lane);
     };
     // P packed into the A fragments of P V (two n8 accumulator tiles = one k16 fragment).
     const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {

@@ -44,7 +44,7 @@ struct Sm90ForwardPlan<256> {
 
 // Launches the Hopper kernel, or sets *launched = false (and launches nothing)
 // where TMA cannot describe an input.
-template <typename Element, typename Shape>
+template <typename Element, typename Shape, ScoreMod kMod>
 cudaError_t launch_forward_sm90(const AttentionFwdParams& params, cudaStream_t stream, bool* launched) {
   *launched = false;
   Sm90ForwardArgs args{};
@@ -58,8 +58,11 @@ cudaError_t launch_forward_sm90(const AttentionFwdParams& params, cudaStream_t s
                                params.nheads_kv, k_map_batches(params), Shape::kBlockN);
   if (!mapped) return cudaSuccess;
   *launched = true;
-  const auto kernel = SequenceInfo::has_sequence_bounds(params) ? attention_forward_sm90_kernel<Element, Shape, false>
-                                                                : attention_forward_sm90_kernel<Element, Shape, true>;
+  // The modifier variants are not instantiated for dense calls a second time: kDense pays
+  // off at short sequences of the plain kernel, where a few registers matter.
+  const auto kernel = kMod != ScoreMod::kNone || SequenceInfo::has_sequence_bounds(params)
+                          ? attention_forward_sm90_kernel<Element, Shape, false, kMod>
+                          : attention_forward_sm90_kernel<Element, Shape, kMod == ScoreMod::kNone, kMod>;
   return launch_on_flat_grid(kernel,
                              ForwardBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads, Shape::kSmemBytes,
                              stream, args);
