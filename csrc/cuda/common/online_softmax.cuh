@@ -11,10 +11,41 @@
 
 namespace flashattn {
 
+// ALiBi's frame. The bias -slope |diag_i - j| of row i (diag_i: the key on its diagonal) is
+// -slope (diag_i - ref) + slope (j - ref) left of the diagonal and -slope (diag_i - ref) +
+// 2 slope (diag_i - ref) - slope (j - ref) right of it, ref = the diagonal of the warp's first
+// row. The online softmax runs without each row's constant -slope (diag_i - ref), which
+// changes neither P nor O: a key block wholly on one side of its rows' diagonals then adds
+// +-slope (j - ref) per column (one FMA per column, shared by the lane's rows, folded into the
+// score's scaling) and a per-row term folded into the max, instead of |diag_i - j| per score;
+// only blocks that the diagonal crosses take the distance per score. bias_frame_row_offset is
+// the constant; the kernels shift the sink into the frame and the max back out of it.
+template <typename Mask>
+__device__ __forceinline__ float bias_frame_row_offset(float slope_log2, const Mask& mask, int row,
+                                                       int warp_row_begin) {
+  return -slope_log2 * float(mask.diagonal_of_row(row) - mask.diagonal_of_row(warp_row_begin));
+}
+
+// Adds `sign` x the frame's row constant to each of the lane's rows' max: -1 moves a starting
+// max (the sink) into the frame, +1 moves the final max back out of it.
+template <int kMTiles, typename Transform, typename Mask>
+__device__ __forceinline__ void shift_rows_for_bias_frame(float (&row_max)[kMTiles][2], const Transform& transform,
+                                                          const Mask& mask, int warp_row_begin, int lane, float sign) {
+  if constexpr (Transform::kBiasFrame) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        row_max[mt][h] += sign * bias_frame_row_offset(transform.slope_log2, mask,
+                                                       warp_row_begin + mt * 16 + lane / 4 + h * 8, warp_row_begin);
+  }
+}
+
 // Online-softmax step for one S block of a warp's rows: scores to the log2
 // domain (score_transform.cuh: one FMUL for plain scores; the max is taken after
-// scaling so any sign of softmax_scale is right), the element mask when a boundary cuts the tile (a separate
-// instantiation, so unmasked tiles run straight-line code), the running max and
+// scaling so any sign of softmax_scale is right; ALiBi in the frame above), the element
+// mask when a boundary cuts the tile (a separate instantiation, so unmasked tiles run
+// straight-line code), the running max and
 // sum, and P = exp2(S - max) left in acc_s. The factor each row's O must be
 // scaled by goes to `corrections` (rescale_output applies it), so that a caller
 // can rescale O later, once a product still accumulating into it has finished.
@@ -24,16 +55,59 @@ __device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][
                                                const Transform& transform, const Mask& mask, int warp_row_begin,
                                                int n_begin, int lane) {
   const int quad_row = lane / 4, quad_col = (lane % 4) * 2;
-  // The ALiBi distance of this lane's first column in each of its rows; the other columns
-  // are compile-time offsets from it.
+  // Each row's term of the bias frame, added to its max; or, outside the frame, the ALiBi
+  // distance of this lane's first column in each of its rows.
+  float row_term[kMTiles][2] = {};
   float row_distance[kMTiles][2];
-  if constexpr (Transform::kUsesDistance) {
+  if constexpr (Transform::kUsesDistance && !Transform::kBiasFrame) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         row_distance[mt][h] =
             float(mask.diagonal_of_row(warp_row_begin + mt * 16 + quad_row + h * 8) - (n_begin + quad_col));
+  }
+  if constexpr (Transform::kBiasFrame) {
+    const int ref = mask.diagonal_of_row(warp_row_begin);
+    const int n_last = n_begin + kNTiles * 8 - 1;
+    const bool left = n_last <= ref;  // every key at or left of every row's diagonal
+    const bool right = n_begin > mask.diagonal_of_row(warp_row_begin + kMTiles * 16 - 1);
+    const float slope = transform.slope_log2;
+    if (left || right) {
+      const float col_slope = left ? slope : -slope;
+      const float col_base = col_slope * float(n_begin + quad_col - ref);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          row_term[mt][h] = right ? -2.f * bias_frame_row_offset(slope, mask, warp_row_begin + mt * 16 + quad_row + h * 8,
+                                                                  warp_row_begin)
+                                  : 0.f;
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc_s[mt][nt][e] =
+                transform.scaled_plus(acc_s[mt][nt][e], fmaf(col_slope, float(nt * 8 + e % 2), col_base));
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = warp_row_begin + mt * 16 + quad_row + h * 8;
+          row_term[mt][h] = -bias_frame_row_offset(slope, mask, row, warp_row_begin);
+          const float row_distance = float(mask.diagonal_of_row(row) - (n_begin + quad_col));
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& x = acc_s[mt][nt][2 * h + e];
+              x = transform(x, row_distance - float(nt * 8 + e));
+            }
+        }
+    }
   }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -42,7 +116,8 @@ __device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float& s = acc_s[mt][nt][e];
-        s = transform(s, Transform::kUsesDistance ? row_distance[mt][e / 2] - float(nt * 8 + e % 2) : 0.f);
+        if constexpr (!Transform::kBiasFrame)
+          s = transform(s, Transform::kUsesDistance ? row_distance[mt][e / 2] - float(nt * 8 + e % 2) : 0.f);
         if (kMasked) {
           const int i = warp_row_begin + mt * 16 + quad_row + (e / 2) * 8;
           const int j = n_begin + nt * 8 + quad_col + (e % 2);
@@ -57,19 +132,22 @@ __device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
         block_max = fmaxf(block_max, fmaxf(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
-      const float new_max = fmaxf(row_max[mt][h], quad_max(block_max));
+      const float term = Transform::kBiasFrame ? row_term[mt][h] : 0.f;
+      const float new_max =
+          fmaxf(row_max[mt][h], Transform::kBiasFrame ? quad_max(block_max) + term : quad_max(block_max));
       // A row with nothing visible yet keeps max -inf; subtract 0 instead so
       // exp2(-inf - -inf) never makes a NaN.
       const float max_used = new_max == -INFINITY ? 0.f : new_max;
       const float correction = fast_exp2(row_max[mt][h] - max_used);
       row_max[mt][h] = new_max;
+      const float exponent_base = Transform::kBiasFrame ? max_used - term : max_used;
       float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& s = acc_s[mt][nt][2 * h + e];
-          s = fast_exp2(s - max_used);
+          s = fast_exp2(s - exponent_base);
           sum += s;
         }
       row_sum[mt][h] = row_sum[mt][h] * correction + sum;

@@ -29,9 +29,12 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
-template <ScoreMod kMod>
+// kBiasFrame: the forward's online softmax runs ALiBi in its linear frame (online_softmax.cuh);
+// a second code path per score block, which the Hopper forward has the registers for.
+template <ScoreMod kMod, bool kLinearBias = false>
 struct ScoreTransform {
   static constexpr bool kUsesDistance = kMod == ScoreMod::kBias || kMod == ScoreMod::kSoftcapBias;
+  static constexpr bool kBiasFrame = kUsesDistance && kLinearBias;
   static constexpr bool kSoftcap = kMod == ScoreMod::kSoftcap || kMod == ScoreMod::kSoftcapBias;
 
   float multiplier;   // after tanh with softcap (softcap * log2 e), else scale * log2 e
@@ -57,11 +60,16 @@ struct ScoreTransform {
     const float x = (kSoftcap ? capped(s) : s) * multiplier;
     return kUsesDistance ? fmaf(-slope_log2, fabsf(distance), x) : x;
   }
+  // The scaled (capped) score plus a bias given in log2 units (the forward's ALiBi frame).
+  __device__ __forceinline__ float scaled_plus(float s, float bias_log2) const {
+    return fmaf(kSoftcap ? capped(s) : s, multiplier, bias_log2);
+  }
 };
 
-template <>
-struct ScoreTransform<ScoreMod::kNone> {
+template <bool kLinearBias>
+struct ScoreTransform<ScoreMod::kNone, kLinearBias> {
   static constexpr bool kUsesDistance = false;
+  static constexpr bool kBiasFrame = false;
   static constexpr bool kSoftcap = false;
   float scale_log2;
 

@@ -41,6 +41,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
                                                  seq.seqlen_k - n0, params.head_dim, thread);
   };
   ForwardRowState<Shape> state(kMod == ScoreMod::kNone ? -INFINITY : sink_logit_log2(params, blk.head), lane);
+  // ALiBi per score (no linear frame: its second code path spilled the W = 128 kernel).
   forward_mainloop<Element, Shape>(
       q_smem, load_q, load_kv_block, blk.mask, [&] { return ScoreTransform<kMod>(params, blk.batch, blk.head); },
       blk.m_begin, blk.n_block_first, blk.n_block_last, state);

@@ -158,6 +158,9 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     float row_max[1][2], row_sum[1][2];
     start_rows_at_sink(row_max, row_sum, kMod == ScoreMod::kNone ? -INFINITY : sink_logit_log2(params, blk.head),
                        lane);
+    using Transform = ScoreTransform<kMod, /*kLinearBias=*/true>;
+    shift_rows_for_bias_frame(row_max, Transform(params, blk.batch, blk.head), blk.mask, blk.m_begin + warp_row, lane,
+                              -1.f);
   #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)
   #pragma unroll
@@ -184,11 +187,11 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     const auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2], int it) {
       const int n_begin = (blk.n_block_last - it) * kBlockN;
       if (blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN))
-        softmax_scores<false>(acc_s, row_max, row_sum, corrections, ScoreTransform<kMod>(params, blk.batch, blk.head),
-                              blk.mask, blk.m_begin + warp_row, n_begin, lane);
+        softmax_scores<false>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head), blk.mask,
+                              blk.m_begin + warp_row, n_begin, lane);
       else
-        softmax_scores<true>(acc_s, row_max, row_sum, corrections, ScoreTransform<kMod>(params, blk.batch, blk.head),
-                             blk.mask, blk.m_begin + warp_row, n_begin, lane);
+        softmax_scores<true>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head), blk.mask,
+                             blk.m_begin + warp_row, n_begin, lane);
     };
     // P packed into the A fragments of P V (two n8 accumulator tiles = one k16 fragment).
     const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
@@ -280,6 +283,8 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       release_stage(num_blocks - 1);
     }
 
+    shift_rows_for_bias_frame(row_max, Transform(params, blk.batch, blk.head), blk.mask, blk.m_begin + warp_row, lane,
+                              1.f);
     store_forward_rows<Element>(acc_o, row_max, row_sum, blk.out_rows<Element>(params), params.out_strides.row,
                                 blk.lse_rows(params), warp_row, blk.valid_q_rows, params.head_dim, lane);
   }
