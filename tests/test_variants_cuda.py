@@ -155,6 +155,19 @@ def test_sink_rows_without_keys_get_zero_out_lse_sink_and_zero_dq(head_dim):
     assert torch.isfinite(dsink).all()
 
 
+def test_sink_without_any_key():
+    """No key at all (the kernels launch no key block): every row is the sink alone, lse =
+    sink, out 0, and every gradient 0 (dsink too: D = rowsum(dout * out) = 0)."""
+    case = AttentionCase("sink_without_keys", batch=2, seqlen_q=70, seqlen_k=0, nheads=4, nheads_kv=2, head_dim=64,
+                         sink=True)
+    inputs = case.make(torch.bfloat16, device="cuda", requires_grad=True)
+    out, lse, dq, dk, dv, dsink = run_attention(inputs)
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(lse, inputs.learnable_sink.detach()[None, :, None].expand_as(lse))
+    for grad in (dq, dk, dv, dsink):
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_repeated_runs_with_all_modifiers_are_bit_identical(head_dim):
     case = AttentionCase("all_modifiers_repeated", batch=2, seqlen_q=1000, seqlen_k=1500, nheads=4, nheads_kv=2,
