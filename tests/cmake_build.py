@@ -10,6 +10,7 @@ refuses to configure even a CPU-only library).
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -30,6 +31,15 @@ class CMakeBuild(NamedTuple):
     library: pathlib.Path        # libflashattn_ext.so
     config_header: pathlib.Path  # the generated flashattn_build_config.h
     log: str                     # what configure and build printed
+
+
+def setup_py_module():
+    """setup.py loaded as a module: its source list (read_sources) and its generator of the
+    kernels' translation units (write_tile_sources), which the CMake build must match."""
+    spec = importlib.util.spec_from_file_location("flashattn_ext_setup", REPO_ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def find_tool(name: str):

@@ -26,7 +26,7 @@ import textwrap
 
 import pytest
 
-from cmake_build import REPO_ROOT, build, cuda_toolkit
+from cmake_build import REPO_ROOT, build, cuda_toolkit, setup_py_module
 
 
 def _sources_lines():
@@ -41,10 +41,6 @@ def _read_tiles():
         if words[0] == "tiles":
             return words[1:]
     raise AssertionError("csrc/SOURCES.txt has no `tiles` line")
-
-
-def _tile_templates():
-    return [words[1] for words in _sources_lines() if words[0] == "cuda_tile"]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +169,7 @@ def test_cmake_cpu_build_config_header(cmake_cpu_build):
 
 
 @pytest.mark.slow
-def test_cmake_cuda_library(cuda_build):
+def test_cmake_cuda_library(cuda_build, tmp_path):
     macros = _macros(cuda_build.config_header)
     cuda_version = re.search(r"release (\d+\.\d+)", subprocess.run(
         [os.path.join(cuda_toolkit(), "bin", "nvcc"), "--version"],
@@ -190,7 +186,12 @@ def test_cmake_cuda_library(cuda_build):
     assert "64" in _read_tiles()
     generated = sorted(p.relative_to(cuda_build.directory / "generated").as_posix()
                        for p in (cuda_build.directory / "generated").rglob("*.cu"))
-    assert generated == sorted(t.replace(".cu.in", "64.cu") for t in _tile_templates())
+    # The same translation units as setup.py's generator writes for the width.
+    setup_py = setup_py_module()
+    groups = setup_py.read_sources()
+    expected_dir = tmp_path / "setup_py_generated"
+    expected = setup_py.write_tile_sources(groups["cuda_tile"], ["64"], groups["score_mods"], str(expected_dir))
+    assert generated == sorted(pathlib.Path(p).relative_to(expected_dir).as_posix() for p in expected)
     assert {"fwd", "bwd", "kvcache"} <= {pathlib.PurePosixPath(g).name.split("_")[0] for g in generated}
     report = _load_and_check(cuda_build.library, want_cuda=True)
     assert report["cpu_kernels"] == [True, True], report

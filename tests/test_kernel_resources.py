@@ -6,7 +6,6 @@ wgmma serialisation (ptxas C7514/C7515: a pattern that makes ptxas wait for each
 wgmma, which once cost the forward its overlap silently). Needs nvcc, not a GPU."""
 
 import concurrent.futures
-import importlib.util
 import os
 import pathlib
 import re
@@ -15,7 +14,8 @@ import subprocess
 
 import pytest
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+from cmake_build import REPO_ROOT, setup_py_module
+
 CSRC = REPO_ROOT / "csrc"
 
 
@@ -27,11 +27,9 @@ def _nvcc():
 
 
 def _write_instantiation_files(out_dir):
-    """Every (kind, tile width) translation unit of SOURCES.txt, written into out_dir
-    by setup.py's own generator."""
-    spec = importlib.util.spec_from_file_location("flashattn_ext_setup", REPO_ROOT / "setup.py")
-    setup_py = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup_py)
+    """Every (kind, tile width, score-mod variant) translation unit of SOURCES.txt, written
+    into out_dir by setup.py's own generator."""
+    setup_py = setup_py_module()
     groups = setup_py.read_sources()
     return [pathlib.Path(p) for p in setup_py.write_tile_sources(groups["cuda_tile"], groups["tiles"], groups["score_mods"],
                                                                   out_dir)]
