@@ -29,8 +29,9 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
-// kBiasFrame: the forward's online softmax runs ALiBi in its linear frame (online_softmax.cuh);
-// a second code path per score block, which the Hopper forward has the registers for.
+// kLinearBias: the forward's online softmax runs ALiBi in its linear frame (kBiasFrame,
+// online_softmax.cuh): a second code path per score block, which the Hopper forward has the
+// registers for and the mma.sync one does not.
 template <ScoreMod kMod, bool kLinearBias = false>
 struct ScoreTransform {
   static constexpr bool kUsesDistance = kMod == ScoreMod::kBias || kMod == ScoreMod::kSoftcapBias;
@@ -79,8 +80,8 @@ struct ScoreTransform<ScoreMod::kNone, kLinearBias> {
 };
 
 // softcap's derivative d capped / d s = 1 - t^2 of two capped scores t, kept by the backward
-// from P to dS as an fp16 pair: it lies in [0, 1], and fp16's 2^-11 is below the rounding dS
-// gets for its own products; half the registers of two floats.
+// from P to dS as an fp16 pair in the 32-bit slot of the dS tile that the pair's dS takes
+// later: it lies in [0, 1], and fp16's 2^-11 is below the rounding dS gets for its products.
 __device__ __forceinline__ uint32_t pack_tanh_derivative(float t0, float t1) {
   const __half2 d = __floats2half2_rn(fmaf(-t0, t0, 1.f), fmaf(-t1, t1, 1.f));
   return *reinterpret_cast<const uint32_t*>(&d);
