@@ -60,18 +60,15 @@ struct BackwardPlans<256> {
   using Small = BackwardTile<256, 32, 32, 2, 1, 1, 128>;
 };
 
-// The plans of a score-mod variant: softcap's tanh and its derivative tip the W = 128 large
-// plan (at 246-255 registers) into spills, so its variants run the small one.
+// The plans of a score-mod variant: softcap with ALiBi tips the W = 128 large plan (at
+// 246-255 registers) into spills (4 bytes in its sm_90a image), so it runs the small one.
 template <int W, ScoreMod kMod>
 struct BackwardVariantPlans : BackwardPlans<W> {};
-struct BackwardSmallPlans128 {
+template <>
+struct BackwardVariantPlans<128, ScoreMod::kSoftcapBias> {
   using Large = BackwardPlans<128>::Small;
   using Small = Large;
 };
-template <>
-struct BackwardVariantPlans<128, ScoreMod::kSoftcap> : BackwardSmallPlans128 {};
-template <>
-struct BackwardVariantPlans<128, ScoreMod::kSoftcapBias> : BackwardSmallPlans128 {};
 
 template <typename Element, typename Tile, ScoreMod kMod>
 cudaError_t launch_main_kernel(const AttentionBwdParams& p, cudaStream_t stream) {
