@@ -36,16 +36,13 @@ struct KvcacheAttentionLauncher {
 
   template <int W>
   cudaError_t launch() const {
-    // The sink joins in the combine kernel, once per row: the splits leave it out.
-    const ScoreMod mod = params.softcap > 0.f ? ScoreMod::kSoftcap : ScoreMod::kNone;
-    return dispatch_score_mod(mod, [&](auto m) -> cudaError_t {
-      if constexpr (m() == ScoreMod::kBias || m() == ScoreMod::kSoftcapBias) {
-        return cudaErrorInvalidValue;  // ALiBi is refused for the KV cache
-      } else {
-        return params.is_bf16 ? launch_kvcache_attention<__nv_bfloat16, W, m()>(params, limits, stream)
-                              : launch_kvcache_attention<__half, W, m()>(params, limits, stream);
-      }
-    });
+    // No ALiBi here (refused), and the sink joins in the combine kernel, once per row.
+    return params.softcap > 0.f ? launch_variant<W, ScoreMod::kSoftcap>() : launch_variant<W, ScoreMod::kNone>();
+  }
+  template <int W, ScoreMod kMod>
+  cudaError_t launch_variant() const {
+    return params.is_bf16 ? launch_kvcache_attention<__nv_bfloat16, W, kMod>(params, limits, stream)
+                          : launch_kvcache_attention<__half, W, kMod>(params, limits, stream);
   }
 };
 

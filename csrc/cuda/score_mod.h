@@ -22,17 +22,17 @@ enum class ScoreMod {
   kSoftcapBias,  // softcap, then + ALiBi bias
 };
 
-// The forward's variant.
-inline ScoreMod forward_score_mod(const AttentionFwdParams& p) {
-  if (p.softcap > 0.f) return p.alibi_slopes != nullptr ? ScoreMod::kSoftcapBias : ScoreMod::kSoftcap;
-  return p.alibi_slopes != nullptr || p.learnable_sink != nullptr ? ScoreMod::kBias : ScoreMod::kNone;
-}
-
-// The backward's: lse carries the sink, so the plain kernels serve a call whose only
+// The backward's variant: lse carries the sink, so the plain kernels serve a call whose only
 // modifier it is.
 inline ScoreMod backward_score_mod(const AttentionFwdParams& p) {
   if (p.softcap > 0.f) return p.alibi_slopes != nullptr ? ScoreMod::kSoftcapBias : ScoreMod::kSoftcap;
   return p.alibi_slopes != nullptr ? ScoreMod::kBias : ScoreMod::kNone;
+}
+
+// The forward's: the backward's, with a sink alone on kBias.
+inline ScoreMod forward_score_mod(const AttentionFwdParams& p) {
+  const ScoreMod mod = backward_score_mod(p);
+  return mod == ScoreMod::kNone && p.learnable_sink != nullptr ? ScoreMod::kBias : mod;
 }
 
 // Calls f(std::integral_constant<ScoreMod, mod>{}) (a compile-time value in f).
