@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "argument_checks.h"
+#include "common/philox.h"
 
 namespace flashattn {
 namespace {
@@ -90,6 +91,10 @@ void check_options(const AttentionOptions& opts, const at::Tensor& q, const at::
     TORCH_CHECK(r.scalar_type() == at::kLong && holds(r.sym_numel() == 2),
                 "flashattn_ext: rng_state must be an int64 tensor of 2 elements [seed, offset], got ",
                 r.scalar_type(), " of shape ", r.sym_sizes());
+    // The CUDA kernels read it where they run (the CPU backend copies it).
+    TORCH_CHECK(!q.is_cuda() || (r.device() == q.device() && r.is_contiguous()),
+                "flashattn_ext: rng_state must be contiguous and on q's device (", q.device(), "), got ",
+                r.is_contiguous() ? "" : "a non-contiguous tensor ", "on ", r.device());
   }
   (void)k;
 }
@@ -325,6 +330,11 @@ AttentionFwdParams make_forward_params(const at::Tensor& q, const at::Tensor& k,
     p.alibi_batch_stride = opts.alibi_slopes->dim() == 2 ? opts.alibi_slopes->stride(0) : 0;
   }
   if (opts.learnable_sink.has_value()) p.learnable_sink = opts.learnable_sink->data_ptr<float>();
+  if (opts.dropout_p > 0.0) {
+    p.rng_state = opts.rng_state->data_ptr<int64_t>();
+    p.dropout_threshold = dropout_threshold(opts.dropout_p);
+    p.dropout_scale = static_cast<float>(1.0 / (1.0 - opts.dropout_p));
+  }
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
   return p;
 }

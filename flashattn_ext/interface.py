@@ -29,8 +29,9 @@ probability 1 - dropout_p and scaled by 1 / (1 - dropout_p); softmax_lse is that
 undropped probabilities). Each call draws a fresh seed from torch's generator of q's
 device, so ``torch.manual_seed`` reproduces a call bit for bit and consecutive calls get
 different masks; the mask is a function of the seed and the element's position, so the
-backward regenerates it and it does not depend on the thread count. The CPU and CUDA
-masks of one seed need not agree.
+backward regenerates it and it does not depend on the thread count or the backend (the
+CPU and CUDA kernels compute the same function, csrc/common/philox.h). dropout_p is
+applied in steps of 2^-16 (each element's 16-bit word decides it).
 
 Differences from flash-attn, all deliberate:
 
@@ -48,7 +49,7 @@ Differences from flash-attn, all deliberate:
   past them get out = 0, lse = +inf and zero gradients. Its block_table (paged KV)
   raises NotImplementedError.
 * Devices: CPU (fp32, fp64, bf16, fp16; every feature) and CUDA (fp16, bf16) where
-  the build has the CUDA kernels (dropout not yet: NotImplementedError).
+  the build has the CUDA kernels.
   flash_attn_with_kvcache runs on the CPU and on CUDA, without alibi_slopes; it takes no head dim that is not a multiple
   of 8 (padding would copy the cache it must write in place).
 """
@@ -158,8 +159,7 @@ def flash_attn_func(
         k, v: (batch, seqlen_k, nheads_kv, head_dim); nheads % nheads_kv == 0 (MQA/GQA).
             head_dim <= 256; one not a multiple of 8 is zero-padded internally.
         dropout_p: dropout probability in [0, 1). Pass 0.0 at evaluation. Each call
-            draws its mask from torch's generator (see the module docstring); CUDA
-            refuses dropout_p > 0 (NotImplementedError) until its kernels have it.
+            draws its mask from torch's generator (see the module docstring).
         softmax_scale: scale of q·kᵀ; default 1/sqrt(head_dim).
         causal: causal mask aligned to the bottom-right corner of the score matrix.
         window_size: (left, right) sliding window; -1 means unbounded. Query i sees

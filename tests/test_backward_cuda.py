@@ -313,11 +313,3 @@ def test_backward_64_bit_offsets():
     low_dq = attention_reference_with_grads(qs, k, v, douts, softmax_scale=scale,
                                             compute_dtype=torch.bfloat16)[2]
     assert_error_rule(("dq",), (dq[:, tail],), (ref_dq,), (low_dq,), torch.bfloat16, "64-bit offsets")
-
-
-def test_backward_refuses_dropout_by_name():
-    q, k, v, dout = random_inputs(1, 16, 16, 2, 2, 64, torch.bfloat16)
-    out, lse = forward(q, k, v, 0.125, False, (-1, -1))
-    with pytest.raises(NotImplementedError, match="dropout_p > 0 is not implemented on CUDA"):
-        torch.ops.flashattn_ext.attention_backward(dout, q, k, v, out, lse, 0.125, False, -1, -1, 0.0,
-                                                   None, 0.1, None, False)

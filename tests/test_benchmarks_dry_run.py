@@ -3,6 +3,7 @@ cpu dry runs of bench_attention.py, bench_e2e.py's padding-free mode, bench_deco
 bench_prefill.py and bench_variants.py, and run_all.sh's preflight, in subprocesses."""
 
 import csv
+import json
 import os
 import pathlib
 import subprocess
@@ -82,24 +83,32 @@ def test_bench_prefill_cpu_dry_run(tmp_path):
 
 
 def test_bench_variants_cpu_dry_run(tmp_path):
-    """Each variant checked against the fp64 reference before it is timed, its cost against
-    plain in the table and the CSV; fa4 rows for plain and softcap even where it is not installed."""
+    """Each variant (dropout ones with the mask of tests/dropout_reference.py) checked against
+    the fp64 reference before it is timed, its cost against plain in the table and the CSV, and
+    the summary against each variant's target; fa4 rows for plain and softcap even where it is
+    not installed, and for the dropout variants, which it does not have."""
     proc = run([sys.executable, "benchmarks/bench_variants.py", "--device", "cpu", "--impls", "ours", "fa4",
                 "--out", str(tmp_path / "out")], tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert "DRY RUN on cpu" in output
-    variants = ("plain", "softcap", "alibi", "sink", "softcap_alibi_sink")
+    variants = ("plain", "softcap", "alibi", "sink", "softcap_alibi_sink", "dropout", "softcap_dropout")
     for variant in variants:
         for causal in (False, True):
             assert f"check {variant} causal={causal}: ok: max |err| vs fp64:" in output
     assert "FAILED" not in output
-    assert "[bwd] GFLOP/s, and each modifier's cost against plain" in output
+    assert "[bwd] GFLOP/s, and each modifier's cost against plain in this run (target <= 5 %, with dropout 15 %)" \
+        in output
     with open(tmp_path / "out" / "variants.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     ours = [r for r in rows if r["impl"] == "ours"]
     assert len(ours) == len(variants) * 2 * 2  # causal and not, forward and backward
     assert all(r["status"] == "ok" and r["cost_vs_plain"] for r in ours)
     fa4 = [r for r in rows if r["impl"] == "fa4"]
-    assert sorted(r["variant"] for r in fa4) == ["plain"] * 4 + ["softcap"] * 4
-    assert (tmp_path / "out" / "variants.json").is_file()
+    assert sorted(r["variant"] for r in fa4) == (["dropout"] * 4 + ["plain"] * 4 + ["softcap"] * 4
+                                                 + ["softcap_dropout"] * 4)
+    assert all(r["status"] == "—" and "no dropout" in r["reason"] for r in fa4 if "dropout" in r["variant"])
+    summary = json.loads((tmp_path / "out" / "variants.json").read_text())["summary"]
+    for mode in ("fwd", "bwd"):
+        assert summary[mode]["targets"]["dropout"] == 0.15 and summary[mode]["targets"]["softcap"] == 0.05
+        assert summary[mode]["within_target"] == (not summary[mode]["ours_above_target"])

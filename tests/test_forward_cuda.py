@@ -118,7 +118,7 @@ def test_forward_on_second_device():
 
 
 def test_forward_refuses_float32_by_name():
-    # dropout_p > 0, the other refusal on CUDA: test_variants_cpu.py and test_backward_cuda.py.
+    # CUDA's one refusal by dtype (dropout runs on CUDA: test_dropout_cuda.py).
     q, k, v, _ = random_inputs(1, 16, 16, 2, 2, 64, torch.bfloat16)
     with pytest.raises(RuntimeError, match="dtype Float is not supported on CUDA"):
         torch.ops.flashattn_ext.attention_forward(q.float(), k.float(), v.float(), 0.1, False, -1, -1,

@@ -5,7 +5,10 @@ compile run against the fp64 reference).
 Dropout is checked through the mask the output reveals: with v[j] = e_j (head_dim >=
 seqlen_k), out[i, j] = P[i, j] * mask[i, j] / (1 - p), so out != 0 is the mask. The
 same seed with random v must then match the fp64 reference run with that mask, forward
-and backward, which holds only if the backward regenerates the forward's mask."""
+and backward, which holds only if the backward regenerates the forward's mask. The revealed
+mask is also held bit for bit to the definition's (tests/dropout_reference.py: Philox-4x32-10,
+16-bit words, checked against Random123's known answers), which the CUDA kernels share
+(tests/test_dropout_cuda.py)."""
 
 import dataclasses
 import math
@@ -15,9 +18,10 @@ import subprocess
 import pytest
 import torch
 
-import flashattn_ext
 from flashattn_ext import flash_attn_func, flash_attn_varlen_func
 
+import dropout_reference
+from dropout_reference import identity_values, revealed_columns
 from conftest import REPO_ROOT
 from reference import (BASELINE_DTYPES, SINK_GRADIENT, assert_error_rule, attention_reference_with_grads,
                        visibility_mask)
@@ -29,16 +33,6 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 
 def names_of(inputs):
     return NAMES + ((SINK_GRADIENT,) if inputs.learnable_sink is not None else ())
-
-
-def identity_values(v: torch.Tensor, key_positions=None) -> torch.Tensor:
-    """v's shape with v[..., j, :, :] = e_j, j the key's position in its sequence
-    (key_positions, default: its row): out then holds each query's weight of key j in column j."""
-    if key_positions is None:
-        key_positions = torch.arange(v.size(-3))
-    assert v.size(-1) > key_positions.max(), "the mask is read from out's first seqlen_k columns"
-    rows = torch.nn.functional.one_hot(key_positions, v.size(-1)).to(v.dtype).unsqueeze(-2)
-    return rows.expand(v.shape).contiguous()
 
 
 def attention_with_seed(seed, q, k, v, **kwargs):
@@ -87,7 +81,7 @@ def test_dropout_matches_reference_with_the_revealed_mask(case, dtype):
     assert_error_rule(names_of(inputs), actual, reference, low_precision, dtype, context=case.name)
 
 
-@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("dropout_p", [0.1, 0.17, 0.5, 0.9])
 def test_dropout_keeps_one_minus_p(dropout_p):
     """The kept fraction of the visible probabilities is within 5 sigma of 1 - p."""
     case = AttentionCase("fraction", batch=1, seqlen_q=256, seqlen_k=200, nheads=4, head_dim=200, causal=True)
@@ -164,6 +158,123 @@ def test_dropout_varlen_draws_each_sequence_by_its_position():
         assert_error_rule(NAMES, actual, reference[:5], None, torch.float64, context=f"sequence {b}")
         dsink_sum += reference[5]
     assert_error_rule((SINK_GRADIENT,), grads[3:], (dsink_sum,), None, torch.float64)
+
+
+# ---- The mask against its definition (tests/dropout_reference.py) --------------------------
+
+def test_reference_philox_known_answers():
+    """Both Philox-4x32-10s of dropout_reference.py against Random123's kat_vectors."""
+    for counter, key, expected in dropout_reference.KNOWN_ANSWERS:
+        assert dropout_reference.philox4x32_10_scalar(counter, key) == expected
+        words = dropout_reference.philox4x32_10([torch.tensor(c) for c in counter], key)
+        assert tuple(int(w) for w in words) == expected
+
+
+def test_reference_thresholds():
+    assert [dropout_reference.threshold_of(p) for p in (0.0, 0.1, 0.17, 0.5, 0.9, 1 - 2**-20)] == [
+        0, 6554, 11141, 32768, 58982, 65535]
+
+
+def test_reference_mask_is_the_definition_element_by_element():
+    """The vectorised mask (its draw grid, word and half selection) against the definition
+    applied to each element alone; a seed with its high word set and an offset whose column
+    groups carry into the counter's second word; sizes not multiples of 16."""
+    seed, offset, dropout_p = 2**62 - 12345, 2**32 - 3, 0.3
+    batch_heads = [[0, 5], [9, 2**20 + 1]]
+    mask = dropout_reference.keep_mask(seed, offset, dropout_p, batch_heads, 37, 41)
+    assert mask.shape == (2, 2, 37, 41)
+    for a, row in enumerate(batch_heads):
+        for c, batch_head in enumerate(row):
+            expected = torch.tensor([[dropout_reference.element_keeps(seed, offset, dropout_p, batch_head, i, j)
+                                      for j in range(41)] for i in range(37)])
+            assert torch.equal(mask[a, c], expected), batch_head
+
+
+MASK_CASES = [
+    AttentionCase("mask_dense", batch=2, seqlen_q=37, seqlen_k=40, nheads=3, nheads_kv=3, head_dim=40),
+    # Two query and key blocks of the CPU kernel; seqlen_k > head_dim: revealed in chunks.
+    AttentionCase("mask_gqa_causal_blocks", batch=1, seqlen_q=140, seqlen_k=136, nheads=4, nheads_kv=2,
+                  head_dim=64, causal=True),
+    AttentionCase("mask_mqa_window_q70_k300", batch=2, seqlen_q=70, seqlen_k=300, nheads=3, nheads_kv=1,
+                  head_dim=64, window=(100, 20)),
+    AttentionCase("mask_q1_k239", batch=2, seqlen_q=1, seqlen_k=239, nheads=2, head_dim=128),
+    AttentionCase("mask_all_features", batch=2, seqlen_q=60, seqlen_k=50, nheads=4, nheads_kv=2, head_dim=48,
+                  causal=True, window=(20, -1), softcap=2.0, alibi="batch_nheads", softmax_scale=0.3, sink=True),
+]
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.17, 0.5])
+@pytest.mark.parametrize("case", MASK_CASES, ids=str)
+def test_dropout_mask_is_the_reference_mask(case, dropout_p):
+    """The mask flash_attn_func applies is the definition's bit for bit, for the seed it
+    draws (every visible element; the others are dropped by the attention mask anyway)."""
+    inputs = case.make(torch.float32)
+    seed = dropout_reference.seed_after_manual_seed(21, "cpu")
+
+    def run(v):
+        torch.manual_seed(21)
+        return flash_attn_func(inputs.q, inputs.k, v, dropout_p=dropout_p, **inputs.func_kwargs())
+
+    revealed = revealed_columns(run, inputs.v, case.seqlen_k).permute(0, 2, 1, 3)
+    expected = dropout_reference.dropout_keep_mask(seed, 0, dropout_p, case.batch, case.nheads, case.seqlen_q,
+                                                   case.seqlen_k)
+    visible = visibility_mask(case.seqlen_q, case.seqlen_k, case.causal, case.window)
+    assert visible.any()
+    mismatches = (revealed != (expected & visible)).sum().item()
+    assert mismatches == 0, f"{mismatches} of {revealed.numel()} elements differ from the reference mask"
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.17])
+def test_dropout_varlen_mask_is_the_reference_mask(dropout_p):
+    """flash_attn_varlen_func: sequence b's mask is the definition's with batch index b and
+    positions within the sequence (sequences with no query, no key, lengths not multiples
+    of 16, seqlen_k > head_dim)."""
+    case = VarlenCase("mask_varlen", seqlens_q=(20, 0, 35, 1, 70, 17, 9), seqlens_k=(25, 3, 40, 130, 0, 17, 64),
+                      nheads=4, nheads_kv=2, head_dim=48)
+    inputs = case.make(torch.float32)
+    cu_q, cu_k, _, _, max_q, max_k = inputs.sequence_args
+    seed = dropout_reference.seed_after_manual_seed(4, "cpu")
+
+    def run(v):
+        torch.manual_seed(4)
+        return flash_attn_varlen_func(inputs.q, inputs.k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p,
+                                      **inputs.func_kwargs())
+
+    key_positions = torch.arange(inputs.v.size(0)) - cu_k[:-1].repeat_interleave(cu_k.diff())
+    revealed = revealed_columns(run, inputs.v, max(case.seqlens_k), key_positions)
+    expected = dropout_reference.varlen_dropout_keep_masks(seed, 0, dropout_p, case.nheads, case.seqlens_q,
+                                                           case.seqlens_k)
+    for b, (seqlen_q, seqlen_k) in enumerate(zip(case.seqlens_q, case.seqlens_k)):
+        rows = slice(cu_q[b].item(), cu_q[b + 1].item())
+        sequence = revealed[rows, :, :seqlen_k].permute(1, 0, 2)[None]
+        assert torch.equal(sequence, expected[b]), f"sequence {b}"
+        # Past the sequence's own keys nothing is revealed (v = 0 there, or another sequence's keys).
+        assert not revealed[rows, :, seqlen_k:].any()
+
+
+@pytest.mark.parametrize("rng", [(123456789, 0), (2**62 - 7, 2**32 - 5)], ids=("offset0", "high_seed_offset_carry"))
+def test_op_forward_and_backward_masks_are_the_reference_mask(rng):
+    """The op with an explicit rng_state [seed, offset] (an offset whose column groups carry
+    into the counter's second word): the forward's mask (out, v = identity) and the backward's
+    (dv = (P * mask / (1 - p))^T dout with dout = identity over query rows) are the reference's."""
+    dropout_p = 0.17
+    case = AttentionCase("op_masks", batch=2, seqlen_q=50, seqlen_k=90, nheads=3, nheads_kv=3, head_dim=32,
+                         causal=True)
+    inputs = case.make(torch.float32)
+    rng_state = torch.tensor(rng, dtype=torch.int64)
+    args = (inputs.resolved_scale(), True, -1, -1, 0.0, None, dropout_p, rng_state)
+    visible = visibility_mask(case.seqlen_q, case.seqlen_k, True, (-1, -1))
+    expected = dropout_reference.dropout_keep_mask(*rng, dropout_p, case.batch, case.nheads, case.seqlen_q,
+                                                   case.seqlen_k) & visible
+    forward = revealed_columns(lambda v: forward_op(inputs.q, inputs.k, v, *args)[0], inputs.v, case.seqlen_k)
+    assert torch.equal(forward.permute(0, 2, 1, 3), expected)
+    out, lse = forward_op(inputs.q, inputs.k, inputs.v, *args)
+    chunks = []
+    for first in range(0, case.seqlen_q, case.head_dim):
+        dv = torch.ops.flashattn_ext.attention_backward(identity_values(inputs.dout, None, first), inputs.q,
+                                                        inputs.k, inputs.v, out, lse, *args, False)[2]
+        chunks.append((dv[..., :min(case.head_dim, case.seqlen_q - first)] != 0).permute(0, 2, 3, 1))
+    assert torch.equal(torch.cat(chunks, dim=2), expected)
 
 
 def test_sink_rows_without_keys_get_zero_out_and_lse_sink():
@@ -261,17 +372,3 @@ def test_philox_known_answers(tmp_path):
         "408f276d 41c83b0e a20bc7c6 6d5451fd",
         "d16cfe09 94fdcceb 5001e420 24126ea1",
     ]
-
-
-requires_cuda_kernels = pytest.mark.skipif(
-    not (torch.cuda.is_available() and flashattn_ext.ops.HAS_CUDA_KERNELS),
-    reason="needs a CUDA device and a build with the CUDA kernels")
-
-
-@requires_cuda_kernels
-def test_cuda_refuses_dropout_by_name():
-    # Softcap, ALiBi and sinks run on CUDA (test_variants_cuda.py); float32 inputs, CUDA's other
-    # refusal: test_forward_cuda.py.
-    q, k, v = (torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 is not implemented on CUDA yet"):
-        flash_attn_func(q, k, v, dropout_p=0.1)

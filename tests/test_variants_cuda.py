@@ -5,8 +5,8 @@ Every case runs flash_attn_func and its backward (autograd, the backward op) and
 lse, dq, dk, dv, and dsink with a sink, to the error rule of tests/reference.py against its
 fp64 reference: kernel error <= 2x (out, lse) or 3x (gradients) the error of the same
 reference computed in the low precision. Outputs and gradients come from an allocator pool
-poisoned with NaN, so an element no kernel writes shows up. Dropout stays refused on CUDA
-(test_forward_cuda.py).
+poisoned with NaN, so an element no kernel writes shows up. Dropout, alone and with these
+modifiers: test_dropout_cuda.py.
 
 VARIANT_CASES runs each modifier alone at head dims 64, 128 and 256 (the Hopper kernels'
 tile widths; ALiBi with slopes (nheads,) and (batch, nheads)), softcap + ALiBi and all three

@@ -64,6 +64,12 @@ struct AttentionFwdParams {
   int64_t alibi_batch_stride;  // 0 when the slopes are shared by the batch
   const float* learnable_sink; // nullptr: off; else (nheads_q,) logits joining each row's softmax
 
+  // Dropout (common/philox.h): nullptr: off; else the call's [seed, offset] in the kernels'
+  // memory, read by them (never by the host: CUDA-graph capture replays fresh values).
+  const int64_t* rng_state;
+  uint32_t dropout_threshold;  // a 16-bit word below it drops its probability
+  float dropout_scale;         // 1 / (1 - dropout_p), the scale of a kept probability
+
   bool is_bf16;  // else fp16 (CUDA); the CPU backend dispatches on its own
 };
 

@@ -86,8 +86,9 @@ namespace {
 // the working set and fewer tasks to spread over the threads on short sequences.
 constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 128;
-// A dropout draw covers four columns (csrc/common/philox.h); key blocks start on a whole draw.
-static_assert(kBlockK % 4 == 0, "key blocks must start at a multiple of 4 columns");
+// A dropout draw decides columns of one 16-column tile (csrc/common/philox.h): key blocks
+// that start on a whole tile draw each once per row.
+static_assert(kBlockK % 16 == 0, "key blocks start at a multiple of 16 columns");
 
 constexpr BackendFeatures kCpuBackend{"CPU", /*softcap=*/true, /*alibi=*/true, /*dropout=*/true,
                                       /*learnable_sink=*/true, cpu_dtype_supported};
@@ -194,12 +195,18 @@ void dropout_keep_scales(const Problem<acc_t>& pb, int64_t b, int64_t h, int64_t
   acc_t* const data = keep_scale.data_ptr<acc_t>();
   for (int64_t r = 0; r < rows; ++r) {
     acc_t* const row = data + r * cols;
-    for (int64_t c0 = 0; c0 < cols; c0 += 4) {
-      const PhiloxWords words = generator.column_quad_words(
-          batch_head, static_cast<uint32_t>(i0 + r), static_cast<uint64_t>((j0 + c0) / 4));
-      for (int64_t c = c0; c < std::min(c0 + 4, cols); ++c)
-        row[c] = generator.keeps(words.w[c - c0]) ? pb.dropout_scale : acc_t(0);
-    }
+    const int64_t i = i0 + r;
+    // A draw decides four columns of row i: 2c, 2c + 1, 2c + 8, 2c + 9 of a 16-column tile.
+    for (int64_t tile = (j0 / 16) * 16; tile < j0 + cols; tile += 16)
+      for (int64_t quad = 0; quad < 4; ++quad) {
+        const PhiloxWords words = generator.draw(batch_head, DropoutGenerator::row_group(i),
+                                                 DropoutGenerator::column_group(tile + 2 * quad));
+        for (int64_t j : {tile + 2 * quad, tile + 2 * quad + 1, tile + 2 * quad + 8, tile + 2 * quad + 9})
+          if (j >= j0 && j < j0 + cols)
+            row[j - j0] = generator.keeps(DropoutGenerator::half_of(words.w[DropoutGenerator::word_of(i, j)], j))
+                              ? pb.dropout_scale
+                              : acc_t(0);
+      }
   }
 }
 

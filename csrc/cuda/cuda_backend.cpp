@@ -17,7 +17,7 @@ bool cuda_dtype_supported(at::ScalarType t) { return t == at::kHalf || t == at::
 
 const BackendFeatures& cuda_features() {
   static const BackendFeatures features{"CUDA", /*softcap=*/true, /*alibi=*/true,
-                                        /*dropout=*/false, /*learnable_sink=*/true,
+                                        /*dropout=*/true, /*learnable_sink=*/true,
                                         &cuda_dtype_supported};
   return features;
 }

@@ -24,7 +24,7 @@ cudaError_t launch_attention_forward(const AttentionFwdParams& params, const Dev
       // else TMA cannot describe an input (a stride not a multiple of 16 bytes): the sm_80 kernel runs it.
     }
   }
-  using Plan = ForwardTilePlan<W>;
+  using Plan = ForwardVariantPlan<W, kMod>;
   if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block)
     return launch_forward_with_shape<Element, typename Plan::Primary, kMod>(params, stream);
   if (Plan::Fallback::kSmemBytes <= limits.max_smem_per_block)

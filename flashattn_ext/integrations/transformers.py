@@ -26,7 +26,7 @@ flash_attention_2 path (the semantics models written for it rely on):
 * ``sliding_window`` (a window of that many keys including the query's own, as
   transformers defines it) becomes ``window_size``, ``softcap`` is passed through,
   ``dropout`` too: dropout > 0 (a model in training mode with attention dropout) runs
-  on the CPU and raises NotImplementedError on CUDA, whose kernels lack dropout yet.
+  on the CPU and on CUDA.
 
 Mask patterns this cannot express are refused rather than ignored: a 4-D mask, a
 model's extra mask functions (e.g. bidirectional image tokens, block overlays),

@@ -13,14 +13,15 @@ namespace flashattn {
 // Epilogue: O / l and lse = (m + log2 l) * ln 2 for a warp's rows. A row that saw no key
 // gets O = 0 and lse = no_key_lse: +inf for a final result, which makes the backward's P
 // exactly 0 for it; -inf for a split-KV partial, which gives it no weight in the merge.
-// Output is the element type of O (fp32 for partials).
+// Output is the element type of O (fp32 for partials). kept_scale: dropout's 1 / (1 - p),
+// which the kept probabilities in O still lack (lse is that of the undropped ones).
 template <typename Output, int kMTiles, int kDTiles>
 __device__ __forceinline__ void store_forward_rows(const float (&acc_o)[kMTiles][kDTiles][4],
                                                    const float (&row_max)[kMTiles][2],
                                                    const float (&row_sum)[kMTiles][2], Output* out_ptr,
                                                    int64_t out_row_stride, float* lse_ptr, int warp_row,
                                                    int valid_q_rows, int head_dim, int lane,
-                                                   float no_key_lse = INFINITY) {
+                                                   float no_key_lse = INFINITY, float kept_scale = 1.f) {
   const int quad_row = lane / 4, quad_col = (lane % 4) * 2;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -28,7 +29,7 @@ __device__ __forceinline__ void store_forward_rows(const float (&acc_o)[kMTiles]
     for (int h = 0; h < 2; ++h) {
       const float sum = quad_sum(row_sum[mt][h]);
       const bool has_keys = sum > 0.f;
-      const float inv_sum = has_keys ? 1.f / sum : 0.f;
+      const float inv_sum = has_keys ? kept_scale / sum : 0.f;
       const int row = warp_row + mt * 16 + quad_row + h * 8;
       if (row < valid_q_rows) {
         Output* out_row = out_ptr + int64_t(row) * out_row_stride;

@@ -32,17 +32,17 @@ __device__ __forceinline__ float fast_tanh(float x) {
 // kLinearBias: the forward's online softmax runs ALiBi in its linear frame (kBiasFrame,
 // online_softmax.cuh): a second code path per score block, which the Hopper forward has the
 // registers for and the mma.sync one does not.
-template <ScoreMod kMod, bool kLinearBias = false>
-struct ScoreTransform {
-  static constexpr bool kUsesDistance = kMod == ScoreMod::kBias || kMod == ScoreMod::kSoftcapBias;
+template <ScoreMod kMod, bool kLinearBias>
+struct LogitTransform {
+  static constexpr bool kUsesDistance = has_bias(kMod);
   static constexpr bool kBiasFrame = kUsesDistance && kLinearBias;
-  static constexpr bool kSoftcap = kMod == ScoreMod::kSoftcap || kMod == ScoreMod::kSoftcapBias;
+  static constexpr bool kSoftcap = has_softcap(kMod);
 
   float multiplier;   // after tanh with softcap (softcap * log2 e), else scale * log2 e
   float softcap_pre;  // scale / softcap
   float slope_log2;   // ALiBi slope * log2 e; 0 without ALiBi
 
-  __device__ __forceinline__ ScoreTransform(const AttentionFwdParams& p, int batch, int head)
+  __device__ __forceinline__ LogitTransform(const AttentionFwdParams& p, int batch, int head)
       : multiplier(kSoftcap ? p.softcap * float(M_LOG2E) : p.softmax_scale_log2),
         softcap_pre(kSoftcap ? p.softmax_scale / p.softcap : 0.f),
         slope_log2(kUsesDistance && p.alibi_slopes != nullptr
@@ -68,16 +68,20 @@ struct ScoreTransform {
 };
 
 template <bool kLinearBias>
-struct ScoreTransform<ScoreMod::kNone, kLinearBias> {
+struct LogitTransform<ScoreMod::kNone, kLinearBias> {
   static constexpr bool kUsesDistance = false;
   static constexpr bool kBiasFrame = false;
   static constexpr bool kSoftcap = false;
   float scale_log2;
 
-  __device__ __forceinline__ ScoreTransform(const AttentionFwdParams& p, int, int) : scale_log2(p.softmax_scale_log2) {}
+  __device__ __forceinline__ LogitTransform(const AttentionFwdParams& p, int, int) : scale_log2(p.softmax_scale_log2) {}
   __device__ __forceinline__ float logit_of(float s, float, float offset) const { return fmaf(s, scale_log2, offset); }
   __device__ __forceinline__ float operator()(float s, float) const { return s * scale_log2; }
 };
+
+// A variant's transform: its logit bits only (dropout acts on the probabilities).
+template <ScoreMod kMod, bool kLinearBias = false>
+using ScoreTransform = LogitTransform<logit_mod(kMod), kLinearBias>;
 
 // softcap's derivative d capped / d s = 1 - t^2 of two capped scores t, kept by the backward
 // from P to dS as an fp16 pair in the 32-bit slot of the dS tile that the pair's dS takes

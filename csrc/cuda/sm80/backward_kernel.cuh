@@ -67,6 +67,7 @@
 #include "common/attention_params.h"
 #include "cuda/backward_launch.h"
 #include "cuda/common/backward_passes.cuh"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_primitives.cuh"
 #include "cuda/common/score_transform.cuh"
 #include "cuda/common/tile_scheduler.cuh"
@@ -379,8 +380,16 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     // own slots (it reads them back before its dS overwrites them; the barrier at the top of
     // the iteration ordered the previous dQ product's reads before): registers are what the
     // tiles lack (W = 96 spilled).
+    // With dropout, pt keeps the undropped P that dS takes and dV's operand the dropped one (its
+    // 1 / (1 - p) applied to dV at the end); keep_bits says which were kept.
     using Transform = ScoreTransform<kMod>;
     uint32_t pt[kQTiles][2];
+    uint32_t keep_bits = 0;
+    if constexpr (has_dropout(kMod))
+      keep_bits = DropoutMask(p, b, h).transposed_keep_bits<Tile::kQueriesPerWarp>((n0 + key_row0) / 16,
+                                                                                 m0 + query_col0, lane);
+    const auto kept = [&](int j, int e, float x) { return (keep_bits >> (4 * j + e)) & 1 ? x : 0.f; };
+    uint32_t pv[kQTiles][2];  // the dropped Pᵀ, for dV (unused without dropout)
     {
       float s[kQTiles][4] = {};
       mma_a_bt<Element, KVTile, QTile, W, kQTiles>(s, k_as_a, q_stage + qdo_as_bt);
@@ -417,19 +426,25 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
         pt[j][0] = MmaElement<Element>::pack(s[j][0], s[j][1]);
         pt[j][1] = MmaElement<Element>::pack(s[j][2], s[j][3]);
+        if constexpr (has_dropout(kMod)) {
+          pv[j][0] = MmaElement<Element>::pack(kept(j, 0, s[j][0]), kept(j, 1, s[j][1]));
+          pv[j][1] = MmaElement<Element>::pack(kept(j, 2, s[j][2]), kept(j, 3, s[j][3]));
+        }
       }
     }
+    const uint32_t(&p_for_dv)[kQTiles][2] = has_dropout(kMod) ? pv : pt;
 
     if constexpr (Tile::kWarpsD == 1) {
       // dV += Pᵀ dO with Pᵀ straight from registers.
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
-        const uint32_t a[4] = {pt[2 * kk][0], pt[2 * kk][1], pt[2 * kk + 1][0], pt[2 * kk + 1][1]};
+        const uint32_t a[4] = {p_for_dv[2 * kk][0], p_for_dv[2 * kk][1], p_for_dv[2 * kk + 1][0],
+                               p_for_dv[2 * kk + 1][1]};
         mma_step_a_b<Element, QTile, kDTiles>(acc_dv, a,
                                               do_stage + qdo_as_b + tile_offset<QTile>(16 * kk, 0));
       }
     } else {
-      store_packed<ScoreTile>(smem + Tile::kOffP, pt, key_row0, query_col0, lane);
+      store_packed<ScoreTile>(smem + Tile::kOffP, p_for_dv, key_row0, query_col0, lane);
     }
 
     // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − D) in place.
@@ -440,6 +455,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       const float2 dsum = *reinterpret_cast<const float2*>(d_s + query_col0 + 8 * j + 2 * t);
       const float2 p_lo = unpack_pair<Element>(pt[j][0]);  // row g
       const float2 p_hi = unpack_pair<Element>(pt[j][1]);  // row g + 8
+      if constexpr (has_dropout(kMod)) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[j][e] = kept(j, e, dp[j][e] * p.dropout_scale);
+      }
       dp[j][0] = p_lo.x * (dp[j][0] - dsum.x);
       dp[j][1] = p_lo.y * (dp[j][1] - dsum.y);
       dp[j][2] = p_hi.x * (dp[j][2] - dsum.x);
@@ -553,7 +572,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   __syncthreads();
   store_accumulator<Element, KVTile>(smem + Tile::kOffK, acc_dk, key_row0, dim_col0, lane,
                                      p.softmax_scale);
-  store_accumulator<Element, KVTile>(smem + Tile::kOffV, acc_dv, key_row0, dim_col0, lane, 1.f);
+  store_accumulator<Element, KVTile>(smem + Tile::kOffV, acc_dv, key_row0, dim_col0, lane,
+                                     has_dropout(kMod) ? p.dropout_scale : 1.f);
   __syncthreads();
   Element* dk = seq.k_row(static_cast<Element*>(p.dk), p.dk_strides, b, h_kv, n0);
   Element* dv = seq.k_row(static_cast<Element*>(p.dv), p.dv_strides, b, h_kv, n0);

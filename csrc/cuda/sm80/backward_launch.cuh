@@ -60,12 +60,13 @@ struct BackwardPlans<256> {
   using Small = BackwardTile<256, 32, 32, 2, 1, 1, 128>;
 };
 
-// The plans of a score-mod variant: softcap with ALiBi tips the W = 128 large plan (at
-// 246-255 registers) into spills (4 bytes in its sm_90a image), so it runs the small one.
-template <int W, ScoreMod kMod>
+// The plans of a score-mod variant: softcap with ALiBi, and dropout, tip the W = 128 large
+// plan (at 246-255 registers) into spills (4-40 bytes in its sm_90a image), so they run the
+// small one.
+template <int W, ScoreMod kMod, bool = W == 128 && (kMod == ScoreMod::kSoftcapBias || has_dropout(kMod))>
 struct BackwardVariantPlans : BackwardPlans<W> {};
-template <>
-struct BackwardVariantPlans<128, ScoreMod::kSoftcapBias> {
+template <int W, ScoreMod kMod>
+struct BackwardVariantPlans<W, kMod, true> {
   using Large = BackwardPlans<128>::Small;
   using Small = Large;
 };

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common/attention_params.h"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/forward_epilogue.cuh"
 #include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm80/forward_mainloop.cuh"
@@ -40,15 +41,23 @@ __global__ void __launch_bounds__(Shape::kThreads)
     KVTile::template load_async<Shape::kThreads>(kv_smem + KVTile::kBytes, v_ptr + n0 * params.v_strides.row, params.v_strides.row,
                                                  seq.seqlen_k - n0, params.head_dim, thread);
   };
-  ForwardRowState<Shape> state(kMod == ScoreMod::kNone ? -INFINITY : sink_logit_log2(params, blk.head), lane);
+  ForwardRowState<Shape> state(!reads_sink(kMod) ? -INFINITY : sink_logit_log2(params, blk.head), lane);
   // ALiBi per score (no linear frame: its second code path spilled the W = 128 kernel).
   forward_mainloop<Element, Shape>(
       q_smem, load_q, load_kv_block, blk.mask, [&] { return ScoreTransform<kMod>(params, blk.batch, blk.head); },
+      [&](auto& acc_s, int warp_row_begin, int n_begin) {
+        if constexpr (has_dropout(kMod)) {
+          const DropoutMask dropout(params, blk.batch, blk.head);
+#pragma unroll
+          for (int mt = 0; mt < Shape::kMTiles; ++mt) dropout.drop_rows(acc_s[mt], warp_row_begin / 16 + mt, n_begin, lane);
+        }
+      },
       blk.m_begin, blk.n_block_first, blk.n_block_last, state);
 
   store_forward_rows<Element>(state.acc_o, state.row_max, state.row_sum, out_ptr,
                               params.out_strides.row, lse_ptr, warp * Shape::kRowsPerWarp,
-                              blk.valid_q_rows, params.head_dim, lane);
+                              blk.valid_q_rows, params.head_dim, lane, INFINITY,
+                              has_dropout(kMod) ? params.dropout_scale : 1.f);
 }
 
 }  // namespace flashattn

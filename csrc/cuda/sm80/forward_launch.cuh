@@ -42,7 +42,7 @@ struct ForwardTilePlan<96> {
 };
 template <>
 struct ForwardTilePlan<128> {
-  using Primary = ForwardTileShape<128, 128, 64, 4>;
+  using Primary = ForwardTileShape<128, 64, 64, 4>;
   using Fallback = Primary;
 };
 template <>
@@ -54,6 +54,17 @@ template <>
 struct ForwardTilePlan<256> {
   using Primary = ForwardTileShape<256, 128, 64, 8>;
   using Fallback = ForwardTileShape<256, 64, 32, 4>;
+};
+
+// The plans of a score-mod variant: dropout's draws tip the W = 128 plan (at 255 registers)
+// into spills (4-16 bytes; still 4 with smaller key blocks or a partly rolled S = Q K^T
+// loop, depending on the variant and the flags), so it runs 16 rows per warp (168-195).
+template <int W, ScoreMod kMod, bool = W == 128 && has_dropout(kMod)>
+struct ForwardVariantPlan : ForwardTilePlan<W> {};
+template <int W, ScoreMod kMod>
+struct ForwardVariantPlan<W, kMod, true> {
+  using Primary = ForwardTileShape<128, 64, 64, 4>;
+  using Fallback = Primary;
 };
 
 template <typename Element, typename Shape, ScoreMod kMod>

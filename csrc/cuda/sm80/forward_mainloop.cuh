@@ -91,12 +91,15 @@ struct ForwardRowState {
 // `load_kv_block(kv_smem, n_block)` issue the cp.async copies of the Q tile and of one key
 // block's K and V tiles (V's at kv_smem + KVTile::kBytes) (zero-filling rows past the sequence); `mask` answers
 // which (row, key) pairs are visible (MaskGeometry, PackedRowsMask); `score_transform()`
-// gives the ScoreTransform (score_transform.cuh) that turns a block's scores into logits.
-template <typename Element, typename Shape, typename Mask, typename MakeTransform, typename LoadQ,
-          typename LoadKVBlock>
+// gives the ScoreTransform (score_transform.cuh) that turns a block's scores into logits;
+// `drop_probabilities(acc_s, warp_row_begin, n_begin)` applies dropout to a block's
+// probabilities (after the softmax counted them, before P V).
+template <typename Element, typename Shape, typename Mask, typename MakeTransform, typename DropProbabilities,
+          typename LoadQ, typename LoadKVBlock>
 __device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& load_q,
                                                  const LoadKVBlock& load_kv_block, const Mask& mask,
-                                                 const MakeTransform& score_transform, int m_begin,
+                                                 const MakeTransform& score_transform,
+                                                 const DropProbabilities& drop_probabilities, int m_begin,
                                                  int n_block_first, int n_block_last, ForwardRowState<Shape>& state) {
   using Mma = MmaElement<Element>;
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kHeadDim = Shape::kHeadDim;
@@ -180,6 +183,7 @@ __device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& l
     else
       softmax_update<true>(acc_s, acc_o, row_max, row_sum, score_transform(), mask, m_begin + warp_row, n_begin,
                            lane);
+    drop_probabilities(acc_s, m_begin + warp_row, n_begin);
 
     // O += P V, P from the S accumulators (two n8 tiles = one k16 A fragment).
 #pragma unroll

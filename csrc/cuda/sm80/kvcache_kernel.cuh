@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   ForwardRowState<Shape> state;
   forward_mainloop<Element, Shape>(
       q_smem, load_q, load_kv_block, blk.mask,
-      [&] { return ScoreTransform<kMod>(params, blk.batch, blk.kv_head); }, blk.m_begin,
+      [&] { return ScoreTransform<kMod>(params, blk.batch, blk.kv_head); }, [](auto&, int, int) {}, blk.m_begin,
       blk.n_block_first, blk.n_block_last, state);
 
   const int64_t partial_row = blk.partial_row(params);

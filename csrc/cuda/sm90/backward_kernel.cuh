@@ -82,6 +82,7 @@
 #include "common/attention_params.h"
 #include "cuda/backward_launch.h"
 #include "cuda/common/backward_passes.cuh"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_primitives.cuh"
 #include "cuda/common/score_transform.cuh"
 #include "cuda/common/tile_scheduler.cuh"
@@ -363,6 +364,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                              k_major_descriptor(do_smem(stage) + query_rows + sm90::k_major_step(ks, BM)), ks > 0);
     sm90::wgmma_commit();
 
+    // Dropout's draws run under the two products; dS takes the undropped Pᵀ, dV the dropped
+    // one (its 1 / (1 - p) applied at the end).
+    uint32_t keep_bits = 0;
+    if constexpr (has_dropout(kMod))
+      keep_bits = DropoutMask(p, b, h).transposed_keep_bits<NQ>((n0 + key_row0) / 16, m0 + wg_query0, lane);
+
     sm90::wgmma_wait<1>();
     sm90::fence_registers(s);
     float2 lse2[NQ / 8], dsum[NQ / 8];
@@ -394,11 +401,14 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     for (int j = 0; j < NQ / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
+        const bool kept = !has_dropout(kMod) || ((keep_bits >> (4 * j + e)) & 1);
+        const float dp_kept = has_dropout(kMod) ? (kept ? dp[4 * j + e] * p.dropout_scale : 0.f) : dp[4 * j + e];
+        dp[4 * j + e] = s[4 * j + e] * (dp_kept - ((e & 1) ? dsum[j].y : dsum[j].x));
         if constexpr (ScoreTransform<kMod>::kSoftcap) {
           const float2 derivative = unpack_tanh_derivative(*tanh_derivative(j, e >> 1));
           dp[4 * j + e] *= (e & 1) ? derivative.y : derivative.x;
         }
+        if constexpr (has_dropout(kMod)) s[4 * j + e] = kept ? s[4 * j + e] : 0.f;
       }
 
     if constexpr (!kSplit) {
@@ -485,6 +495,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // multiple of 8, so a pair is wholly in or out).
   Element* dk = seq.k_row(static_cast<Element*>(p.dk), p.dk_strides, b, h_kv, n0);
   Element* dv = seq.k_row(static_cast<Element*>(p.dv), p.dv_strides, b, h_kv, n0);
+  const float dv_scale = has_dropout(kMod) ? p.dropout_scale : 1.f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = key_row0 + g + 8 * half;
@@ -496,7 +507,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
           *reinterpret_cast<uint32_t*>(dk + row * p.dk_strides.row + col) =
               Mma::pack(acc_dk[4 * j + 2 * half] * p.softmax_scale, acc_dk[4 * j + 2 * half + 1] * p.softmax_scale);
           *reinterpret_cast<uint32_t*>(dv + row * p.dv_strides.row + col) =
-              Mma::pack(acc_dv[4 * j + 2 * half], acc_dv[4 * j + 2 * half + 1]);
+              Mma::pack(acc_dv[4 * j + 2 * half] * dv_scale, acc_dv[4 * j + 2 * half + 1] * dv_scale);
         }
       }
     }

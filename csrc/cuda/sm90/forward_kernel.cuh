@@ -35,6 +35,7 @@
 #include <cuda.h>
 
 #include "common/attention_params.h"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/forward_epilogue.cuh"
 #include "cuda/common/mma_primitives.cuh"
 #include "cuda/common/online_softmax.cuh"
@@ -156,7 +157,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
 
     float acc_o[1][kDTiles][4];
     float row_max[1][2], row_sum[1][2];
-    start_rows_at_sink(row_max, row_sum, kMod == ScoreMod::kNone ? -INFINITY : sink_logit_log2(params, blk.head),
+    start_rows_at_sink(row_max, row_sum, !reads_sink(kMod) ? -INFINITY : sink_logit_log2(params, blk.head),
                        lane);
     using Transform = ScoreTransform<kMod, /*kLinearBias=*/true>;
     shift_rows_for_bias_frame(row_max, Transform(params, blk.batch, blk.head), blk.mask, blk.m_begin + warp_row, lane,
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
             ks > 0);
       sm90::wgmma_commit();
     };
-    // The softmax of block `it`'s scores, P left in acc_s.
+    // The softmax of block `it`'s scores, P left in acc_s (with dropout, the dropped ones 0).
     const auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2], int it) {
       const int n_begin = (blk.n_block_last - it) * kBlockN;
       if (blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN))
@@ -192,6 +193,8 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       else
         softmax_scores<true>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head), blk.mask,
                              blk.m_begin + warp_row, n_begin, lane);
+      if constexpr (has_dropout(kMod))
+        DropoutMask(params, blk.batch, blk.head).drop_rows(acc_s[0], (blk.m_begin + warp_row) / 16, n_begin, lane);
     };
     // P packed into the A fragments of P V (two n8 accumulator tiles = one k16 fragment).
     const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
@@ -286,7 +289,8 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     shift_rows_for_bias_frame(row_max, Transform(params, blk.batch, blk.head), blk.mask, blk.m_begin + warp_row, lane,
                               1.f);
     store_forward_rows<Element>(acc_o, row_max, row_sum, blk.out_rows<Element>(params), params.out_strides.row,
-                                blk.lse_rows(params), warp_row, blk.valid_q_rows, params.head_dim, lane);
+                                blk.lse_rows(params), warp_row, blk.valid_q_rows, params.head_dim, lane, INFINITY,
+                                has_dropout(kMod) ? params.dropout_scale : 1.f);
   }
 #else
   __trap();  // launched only where the sm_90a image exists (sm90/forward_launch.cuh)
