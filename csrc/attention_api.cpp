@@ -167,6 +167,10 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
                 t.sym_sizes(), ", expected ", q.sym_sizes());
     check_last_dim_contiguous(t, name);
   }
+  check_lse(lse, q, opts);
+}
+
+void check_lse(const at::Tensor& lse, const at::Tensor& q, const AttentionOptions& opts) {
   check_same_device(lse, "lse", q);
   TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse must be ",
               q.scalar_type() == at::kDouble ? "float64" : "float32",
@@ -175,6 +179,21 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
   TORCH_CHECK(same_shape(lse, lse_shape), "flashattn_ext: lse must have shape ",
               opts.layout.varlen_q() ? "(nheads, total_q) = " : "(batch, nheads, seqlen_q) = ",
               c10::SymIntArrayRef(lse_shape), ", got ", lse.sym_sizes());
+}
+
+void check_probabilities_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+                                const AttentionOptions& opts, const BackendFeatures& backend) {
+  check_forward_inputs(q, k, k, opts, backend);  // v's checks are k's
+  check_lse(lse, q, opts);
+}
+
+at::Tensor allocate_probabilities(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts) {
+  const SequenceLayout& layout = opts.layout;
+  const auto rounded = [](const c10::SymInt& n) { return (n + 127) / 128 * 128; };
+  const c10::SymInt seqlen_q = layout.varlen_q() ? c10::SymInt(layout.max_seqlen_q) : q.sym_size(1);
+  const c10::SymInt seqlen_k = layout.varlen_k() ? c10::SymInt(layout.max_seqlen_k) : k.sym_size(1);
+  return at::zeros_symint({batch_of(q, layout.cu_seqlens_q), q.sym_size(-2), rounded(seqlen_q), rounded(seqlen_k)},
+                          q.options());
 }
 
 std::pair<int, int> effective_window(const AttentionOptions& opts, int64_t seqlen_q,

@@ -71,6 +71,17 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                            const AttentionOptions& opts, const BackendFeatures& backend);
 
+// lse (the forward's, of q) against q: dtype, device, shape.
+void check_lse(const at::Tensor& lse, const at::Tensor& q, const AttentionOptions& opts);
+
+// attention_probabilities: the forward's checks on q and k, and lse's.
+void check_probabilities_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+                                const AttentionOptions& opts, const BackendFeatures& backend);
+
+// attention_probabilities' output, zeroed: (batch, nheads, seqlen_q, seqlen_k), each seqlen the
+// longest sequence rounded up to a multiple of 128 (flash-attn's S_dmask), in q's dtype.
+at::Tensor allocate_probabilities(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts);
+
 // The sizes of inputs that passed check_forward_inputs.
 ProblemSizes problem_sizes(const at::Tensor& q, const at::Tensor& k, const AttentionOptions& opts);
 

@@ -32,6 +32,12 @@ namespace flashattn {
       const std::optional<at::Tensor>&rng_state, bool deterministic, FLASHATTN_SEQUENCE_ARGS, \
       FLASHATTN_SINK_ARGS
 
+#define FLASHATTN_PROBABILITIES_ARGS                                                      \
+  const at::Tensor &q, const at::Tensor &k, const at::Tensor &lse, double softmax_scale, \
+      bool causal, int64_t window_left, int64_t window_right, double softcap,           \
+      const std::optional<at::Tensor>&alibi_slopes, double dropout_p,                    \
+      const std::optional<at::Tensor>&rng_state, FLASHATTN_SEQUENCE_ARGS
+
 // The names of the sequence arguments, in schema order (for forwarding calls).
 #define FLASHATTN_SEQUENCE_ARG_NAMES \
   cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k
@@ -63,9 +69,11 @@ using BackwardGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Ten
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS);
 BackwardGradients attention_backward_cpu(FLASHATTN_BACKWARD_ARGS);
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cpu(FLASHATTN_KVCACHE_FORWARD_ARGS);
+at::Tensor attention_probabilities_cpu(FLASHATTN_PROBABILITIES_ARGS);
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS);
 BackwardGradients attention_backward_cuda(FLASHATTN_BACKWARD_ARGS);
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCACHE_FORWARD_ARGS);
+at::Tensor attention_probabilities_cuda(FLASHATTN_PROBABILITIES_ARGS);
 
 }  // namespace flashattn

@@ -50,6 +50,17 @@ TORCH_LIBRARY(flashattn_ext, m) {
       "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic, "
       FLASHATTN_SEQUENCE_SCHEMA ", " FLASHATTN_SINK_SCHEMA
       ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsink)");
+  // The attention probabilities of a forward call, for testing (return_attn_probs=True; it
+  // forms the N x N matrix the kernels exist to avoid): flash-attn's S_dmask, (batch, nheads,
+  // seqlen_q, seqlen_k) in q's dtype, each seqlen the longest sequence rounded up to a
+  // multiple of 128: P = exp(S - lse) from q, k and the forward's lse (so with a learnable
+  // sink, its share is missing from each row), 0 where a key is not visible and in the
+  // padding, and -P where dropout drops the element (the mask of rng_state, as the forward
+  // drew it). Computed by the CPU backend (CUDA tensors are copied to it and back).
+  m.def(
+      "attention_probabilities(Tensor q, Tensor k, Tensor lse, float softmax_scale, bool causal, "
+      "int window_left, int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
+      "Tensor? rng_state, " FLASHATTN_SEQUENCE_SCHEMA ") -> Tensor");
   // flash_attn_with_kvcache (inference: no autograd). q (batch, seqlen_q, nheads, head_dim);
   // k_cache, v_cache (batch_cache, seqlen_cache, nheads_kv, head_dim), or with block_table
   // (int32 (batch, max_blocks_per_seq)) paged: (num_blocks, page_size, nheads_kv, head_dim),
@@ -79,8 +90,10 @@ TORCH_LIBRARY(flashattn_ext, m) {
 // gets torch's "not implemented" autograd kernels: a backward through its out raises an
 // error naming the op, rather than silently giving zero gradients, and the ADInplaceOrView
 // kernel bumps the caches' version counters, so autograd sees that they were written.
+// attention_probabilities, a testing aid, has no derivative either: the same error.
 TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
   m.impl("attention_kvcache_forward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("attention_probabilities", torch::autograd::autogradNotImplementedFallback());
 }
 TORCH_LIBRARY_IMPL(flashattn_ext, ADInplaceOrView, m) {
   m.impl("attention_kvcache_forward", torch::autograd::autogradNotImplementedInplaceOrViewFallback());

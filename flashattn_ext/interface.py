@@ -35,11 +35,12 @@ applied in steps of 2^-16 (each element's 16-bit word decides it).
 
 Differences from flash-attn, all deliberate:
 
-* ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``. flash-attn's
-  third value is the attention-probability matrix with the dropout pattern
-  (S_dmask), meant for testing only; materialising it is what this library exists
-  to avoid, so it is never computed, with dropout or without. A test recovers the
-  mask from out instead (tests/test_variants_cpu.py: v = identity).
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` as flash-attn does,
+  for testing only (it forms the N x N matrix; on CUDA the CPU backend computes it):
+  S_dmask (batch, nheads, seqlen_q, seqlen_k) in q's dtype, each seqlen the longest
+  sequence rounded up to a multiple of 128, holds P = exp(S - softmax_lse) where a key
+  is visible, 0 elsewhere, and -P where dropout dropped the element (flash-attn's
+  encoding: ``S_dmask >= 0`` is the kept pattern).
 * The returned softmax_lse has no gradient: a loss that depends on it gets
   none through it (as in flash-attn, whose backward ignores it too).
 * A row that sees no key (possible with a sliding window, or causal with
@@ -128,12 +129,17 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
     rng_state = _draw_rng_state(q.device) if dropout_p > 0.0 else None
 
-    out, lse = ops.attention_forward(*_kernel_operands(q, k, v, layout), softmax_scale, bool(causal), window_left,
-                                     window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                                     bool(deterministic), *layout.op_args(), learnable_sink)
+    q_op, k_op, v_op = _kernel_operands(q, k, v, layout)
+    out, lse = ops.attention_forward(q_op, k_op, v_op, softmax_scale, bool(causal), window_left, window_right,
+                                     softcap, alibi_slopes, dropout_p, rng_state, bool(deterministic),
+                                     *layout.op_args(), learnable_sink)
     out = out[..., :head_dim]
     if return_attn_probs:
-        return out, lse, None
+        with torch.no_grad():
+            probs = ops.attention_probabilities(q_op, k_op, lse, softmax_scale, bool(causal), window_left,
+                                                window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                                                *layout.op_args())
+        return out, lse, probs
     return out
 
 
@@ -167,14 +173,14 @@ def flash_attn_func(
         softcap: > 0 applies softcap·tanh(score / softcap) before the bias.
         alibi_slopes: fp32 (nheads,) or (batch, nheads); adds -slope·|i + seqlen_k - seqlen_q - j|.
         deterministic: deterministic backward (the CPU backward always is).
-        return_attn_probs: also return softmax_lse and None, not the probabilities
+        return_attn_probs: also return softmax_lse and flash-attn's S_dmask, for testing
             (see the module docstring).
         learnable_sink (keyword only): fp32 (nheads,) sink logits, one per query head,
             that join each row's softmax denominator; differentiable.
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim); with return_attn_probs,
-        (out, softmax_lse (batch, nheads, seqlen_q) fp32 (fp64 for fp64 inputs), None).
+        (out, softmax_lse (batch, nheads, seqlen_q) fp32 (fp64 for fp64 inputs), S_dmask).
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, learnable_sink)
@@ -277,7 +283,7 @@ def flash_attn_varlen_func(
 
     Returns:
         out (total_q, nheads, head_dim); with return_attn_probs,
-        (out, softmax_lse (nheads, total_q) fp32 (fp64 for fp64 inputs), None).
+        (out, softmax_lse (nheads, total_q) fp32 (fp64 for fp64 inputs), S_dmask).
     """
     if block_table is not None:
         raise NotImplementedError("flashattn_ext: paged KV (block_table) is not implemented yet")

@@ -44,6 +44,8 @@ attention_backward = torch.ops.flashattn_ext.attention_backward.default
 # flash_attn_with_kvcache's op: it writes the caches in place (a mutable schema), so its
 # "no derivative" autograd kernel is registered in C++ (csrc/ops_schema.cpp), not here.
 attention_kvcache_forward = torch.ops.flashattn_ext.attention_kvcache_forward.default
+# return_attn_probs' matrix (a testing aid, no derivative: registered in C++ like the KV cache op's).
+attention_probabilities = torch.ops.flashattn_ext.attention_probabilities.default
 
 
 def has_kernel(op_name: str, dispatch_key: str) -> bool:

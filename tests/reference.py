@@ -97,6 +97,20 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     out has q's shape and compute_dtype; lse is (batch, nheads, seqlen_q) in
     compute_dtype, +inf for rows that see no key and no sink (whose out is 0)."""
+    probs, scores, row_sees_a_key, v = _softmax_probabilities(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, compute_dtype=compute_dtype)
+    if dropout_mask is not None:
+        probs = probs * dropout_mask / (1.0 - dropout_p)
+    out = torch.einsum("bhij,bjhd->bihd", probs, v)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~row_sees_a_key, float("inf"))
+    return out, lse
+
+
+def _softmax_probabilities(q, k, v, *, softmax_scale, causal, window, softcap, alibi_slopes, learnable_sink,
+                           compute_dtype):
+    """attention_reference's probabilities (batch, nheads, seqlen_q, seqlen_k) before dropout,
+    its scores (with the sink's column), which rows see a key, and v as the heads of q."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if softmax_scale is None:
@@ -129,11 +143,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     # finite (no NaN in the gradient); their probabilities are zeroed below.
     scores = scores.masked_fill(~row_sees_a_key.view(-1, 1), 0.0)
     probs = (torch.softmax(scores, dim=-1) * visible)[..., :seqlen_k]
-    if dropout_mask is not None:
-        probs = probs * dropout_mask / (1.0 - dropout_p)
-    out = torch.einsum("bhij,bjhd->bihd", probs, v)
-    lse = torch.logsumexp(scores, dim=-1).masked_fill(~row_sees_a_key, float("inf"))
-    return out, lse
+    return probs, scores, row_sees_a_key, v
+
+
+def probabilities_reference(q, k, *, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
+                            alibi_slopes=None, learnable_sink=None, compute_dtype=torch.float64):
+    """The attention probabilities exp(S - lse) (batch, nheads, seqlen_q, seqlen_k) before
+    dropout, as attention_reference forms them, in compute_dtype."""
+    return _softmax_probabilities(q, k, k, softmax_scale=softmax_scale, causal=causal, window=window,
+                                  softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+                                  compute_dtype=compute_dtype)[0]
 
 
 def attention_reference_with_grads(q, k, v, dout, **kwargs):
@@ -226,3 +245,26 @@ def assert_error_rule(names: Sequence[str], actual: Sequence[torch.Tensor],
             baseline = f", low-precision PyTorch error {max_abs_error(lp, r):.3g}" if lp is not None else ""
             failures.append(f"{name}: max |err| {error:.3g} > allowed {allowed:.3g}{baseline}")
     assert not failures, f"{context} ({dtype}): " + "; ".join(failures)
+
+
+def assert_s_dmask(s_dmask, q, k, keep_mask=None, *, rtol, atol, **kwargs):
+    """s_dmask is flash-attn's S_dmask of a call on q, k (return_attn_probs=True): (batch,
+    nheads, seqlen_q, seqlen_k rounded up to multiples of 128) in q's dtype, zero in the
+    padding, |s_dmask| the probabilities of probabilities_reference(q, k, **kwargs) and
+    negative exactly where keep_mask (bool, (batch, nheads, seqlen_q, seqlen_k); None: no
+    dropout) drops a nonzero probability."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    rounded = lambda n: (n + 127) // 128 * 128  # noqa: E731
+    assert s_dmask.shape == (batch, nheads, rounded(seqlen_q), rounded(seqlen_k)), s_dmask.shape
+    assert s_dmask.dtype == q.dtype and s_dmask.device == q.device
+    s_dmask = s_dmask.detach().cpu().double()
+    assert not s_dmask[:, :, seqlen_q:].any() and not s_dmask[:, :, :, seqlen_k:].any(), "nonzero padding"
+    probs = s_dmask[:, :, :seqlen_q, :seqlen_k]
+    kwargs = {name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
+              for name, value in kwargs.items()}
+    expected = probabilities_reference(q.detach().cpu(), k.detach().cpu(), **kwargs)
+    torch.testing.assert_close(probs.abs(), expected, rtol=rtol, atol=atol)
+    dropped = torch.zeros_like(expected, dtype=torch.bool) if keep_mask is None else ~keep_mask.cpu()
+    nonzero = probs != 0
+    assert torch.equal((probs < 0) & nonzero, dropped & nonzero), "S_dmask's signs are not the dropout mask"

@@ -24,6 +24,8 @@ keyed by the seed, one 16-bit word per element, kept iff the word >= round(p * 2
   training step draws a fresh seed on each replay, and each replay matches the reference
   with the mask of the seed it drew.
 * The kept fraction over 4M elements is within 5 sigma of 1 - p.
+* return_attn_probs=True: flash-attn's S_dmask, the probabilities from the CUDA forward's
+  lse, negative exactly where the reference mask drops.
 
 Outputs and gradients come from an allocator pool poisoned with NaN (cuda_inputs.py).
 """
@@ -40,7 +42,8 @@ from flashattn_ext import flash_attn_func, flash_attn_varlen_func
 import dropout_reference
 from cuda_inputs import LOW_PRECISION, poison_allocator
 from dropout_reference import identity_values, revealed_columns
-from reference import SINK_GRADIENT, assert_error_rule, attention_reference_with_grads, visibility_mask
+from reference import (SINK_GRADIENT, assert_error_rule, assert_s_dmask, attention_reference_with_grads,
+                       visibility_mask)
 from sample_inputs import AttentionCase, VarlenCase
 
 pytestmark = [
@@ -444,3 +447,20 @@ def test_rng_state_must_be_contiguous_on_q_device():
                       torch.tensor([1234, 7, 0, 7], dtype=torch.int64, device="cuda")[::2]):
         with pytest.raises(RuntimeError, match=r"rng_state must be contiguous and on q's device"):
             forward_op(*dropout_op_args(inputs, 0.2, rng_state))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_return_attn_probs_is_flash_attn_s_dmask(dropout_p):
+    """flash-attn's S_dmask of a CUDA call: |S_dmask| the probabilities from the CUDA forward's
+    lse, negative exactly where the kernels' mask drops (computed by the CPU backend)."""
+    case = AttentionCase("s_dmask", batch=2, seqlen_q=140, seqlen_k=203, nheads=4, nheads_kv=2, head_dim=64,
+                         causal=True, softcap=30.0, alibi="nheads", softmax_scale=1.0, sink=True)
+    inputs = case.make(torch.bfloat16, device="cuda")
+    seed = dropout_reference.seed_after_manual_seed(9, "cuda")
+    _, _, s_dmask = flash_attn_func(inputs.q, inputs.k, inputs.v, dropout_p=dropout_p, return_attn_probs=True,
+                                    **inputs.func_kwargs())
+    keep = None
+    if dropout_p > 0:
+        keep = dropout_reference.dropout_keep_mask(seed, 0, dropout_p, case.batch, case.nheads, case.seqlen_q,
+                                                   case.seqlen_k)
+    assert_s_dmask(s_dmask, inputs.q, inputs.k, keep, rtol=2e-2, atol=1e-4, **inputs.reference_kwargs())

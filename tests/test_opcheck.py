@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvcache_inputs
-from sample_inputs import CASES_BY_NAME, VARLEN_CASES, cases_tagged
+from sample_inputs import CASES_BY_NAME, VARLEN_CASES, VarlenCase, cases_tagged
 
 OPCHECK_CASES = ([case for case in cases_tagged("opcheck") if case.op_compatible]
                  + [case for case in VARLEN_CASES if "opcheck" in case.tags and case.op_compatible])
@@ -52,3 +52,13 @@ def test_opcheck_attention_kvcache_forward(name):
     inputs = kvcache_inputs.make_inputs(case, torch.float32)
     torch.library.opcheck(torch.ops.flashattn_ext.attention_kvcache_forward.default,
                           inputs.op_args(case, num_splits=2))
+
+
+# return_attn_probs' op, on a dense case and a variable-length one.
+@pytest.mark.parametrize("case,dtype", [PARAMS[0], *[p for p in PARAMS if isinstance(p.values[0], VarlenCase)][:1]])
+def test_opcheck_attention_probabilities(case, dtype):
+    inputs = case.make(dtype, requires_grad=False)
+    out, lse = torch.ops.flashattn_ext.attention_forward(*inputs.forward_op_args())
+    args = (inputs.q, inputs.k, lse, inputs.resolved_scale(), inputs.causal, inputs.window[0], inputs.window[1],
+            inputs.softcap, inputs.alibi_slopes, 0.25, torch.tensor([3, 0])) + tuple(inputs.sequence_args)
+    torch.library.opcheck(torch.ops.flashattn_ext.attention_probabilities.default, args)

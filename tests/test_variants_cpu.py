@@ -23,8 +23,8 @@ from flashattn_ext import flash_attn_func, flash_attn_varlen_func
 import dropout_reference
 from dropout_reference import identity_values, revealed_columns
 from conftest import REPO_ROOT
-from reference import (BASELINE_DTYPES, SINK_GRADIENT, assert_error_rule, attention_reference_with_grads,
-                       visibility_mask)
+from reference import (BASELINE_DTYPES, SINK_GRADIENT, assert_error_rule, assert_s_dmask,
+                       attention_reference_with_grads, visibility_mask)
 from sample_inputs import CASES_BY_NAME, AttentionCase, VarlenCase
 
 forward_op = torch.ops.flashattn_ext.attention_forward
@@ -372,3 +372,49 @@ def test_philox_known_answers(tmp_path):
         "408f276d 41c83b0e a20bc7c6 6d5451fd",
         "d16cfe09 94fdcceb 5001e420 24126ea1",
     ]
+
+
+# ---- return_attn_probs: flash-attn's S_dmask ----------------------------------------------------
+
+S_DMASK_CASES = [
+    AttentionCase("s_dmask_every_modifier", batch=2, seqlen_q=33, seqlen_k=140, nheads=4, nheads_kv=2,
+                  head_dim=40, causal=True, window=(50, -1), softcap=2.0, alibi="batch_nheads",
+                  softmax_scale=0.3, sink=True),
+    # seqlen_q past one 128-row block, seqlen_k below one.
+    AttentionCase("s_dmask_rows_past_a_block", batch=1, seqlen_q=130, seqlen_k=20, nheads=2, head_dim=16),
+]
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", S_DMASK_CASES, ids=str)
+def test_return_attn_probs_is_flash_attn_s_dmask(case, dtype, dropout_p):
+    inputs = case.make(dtype)
+    seed = dropout_reference.seed_after_manual_seed(5, "cpu")
+    _, _, s_dmask = flash_attn_func(inputs.q, inputs.k, inputs.v, dropout_p=dropout_p, return_attn_probs=True,
+                                    **inputs.func_kwargs())
+    keep = None
+    if dropout_p > 0:
+        keep = dropout_reference.dropout_keep_mask(seed, 0, dropout_p, case.batch, case.nheads, case.seqlen_q,
+                                                   case.seqlen_k)
+    tolerance = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
+    assert_s_dmask(s_dmask, inputs.q, inputs.k, keep, **tolerance, **inputs.reference_kwargs())
+
+
+def test_return_attn_probs_varlen_puts_each_sequence_at_its_batch_entry():
+    gen = torch.Generator().manual_seed(8)
+    seqlens = (20, 0, 150)
+    cu = torch.tensor([0, 20, 20, 170], dtype=torch.int32)
+    q, k, v = (torch.randn(170, 2, 32, generator=gen) for _ in range(3))
+    seed = dropout_reference.seed_after_manual_seed(6, "cpu")
+    _, _, s_dmask = flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, dropout_p=0.2, causal=True,
+                                           return_attn_probs=True)
+    assert s_dmask.shape == (3, 2, 256, 256)
+    masks = dropout_reference.varlen_dropout_keep_masks(seed, 0, 0.2, 2, seqlens, seqlens)
+    for b, n in enumerate(seqlens):
+        assert not s_dmask[b, :, n:].any() and not s_dmask[b, :, :, n:].any()
+        if n == 0:
+            continue
+        rows, rounded = slice(int(cu[b]), int(cu[b + 1])), (n + 127) // 128 * 128
+        assert_s_dmask(s_dmask[b:b + 1, :, :rounded, :rounded], q[rows].unsqueeze(0), k[rows].unsqueeze(0),
+                       masks[b], rtol=1e-5, atol=1e-7, causal=True)

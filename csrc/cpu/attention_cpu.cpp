@@ -758,6 +758,66 @@ AttentionOptions make_options(double softmax_scale, bool causal, int64_t window_
 
 }  // namespace
 
+// P = exp(S - lse) of every visible (row, key) of each part into probs (the call's (batch,
+// nheads, seqlen_q, seqlen_k) tensor, rounded shape), negated where dropout drops it.
+template <typename acc_t>
+void probabilities_pass(const std::vector<Part<acc_t>>& parts, at::Tensor& probs) {
+  const auto tasks_of = [](const Problem<acc_t>& pb) { return num_query_block_tasks(pb); };
+  run_part_tasks(parts, tasks_of, [&](const auto& next_task) {
+    const at::TensorOptions& opts = parts.front().pb.acc_options;
+    const int64_t d = parts.front().pb.head_dim;
+    const at::Tensor q_scratch = at::empty({kBlockQ * d}, opts);
+    const at::Tensor k_scratch = at::empty({kBlockK * d}, opts);
+    const at::Tensor scores_scratch = at::empty({kBlockQ * kBlockK}, opts);
+    const at::Tensor keep_scale_scratch = at::empty({kBlockQ * kBlockK}, opts);
+    const at::Tensor lse_scratch = at::empty({kBlockQ}, opts);
+
+    const Part<acc_t>* part;
+    for (int64_t task; next_task(part, task);) {
+      const Problem<acc_t>& pb = part->pb;
+      const at::Tensor& q = part->t.q;
+      const at::Tensor& k = part->t.k;
+      const at::Tensor& lse = part->t.lse;
+      const QueryBlockTask t(pb, task);
+      const int64_t kv_head = t.h / pb.group_size();
+      at::Tensor q_scaled = block_of(q_scratch, t.rows, d);
+      q_scaled.copy_(head_rows(q, t.b, t.h, t.i0, t.rows)).mul_(pb.qk_scale);
+      at::Tensor block_lse_log2 = lse_scratch.narrow(0, 0, t.rows);
+      at::mul_out(block_lse_log2, lse[t.b][t.h].narrow(0, t.i0, t.rows), M_LOG2E);
+      at::Tensor rows = probs[pb.first_batch_entry + t.b][t.h].narrow(0, t.i0, t.rows);
+      for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
+        const at::Tensor k_rows = in_acc_dtype(head_rows(k, t.b, kv_head, j0, cols), k_scratch);
+        at::Tensor block = block_of(scores_scratch, t.rows, cols);
+        compute_scores(pb, q_scaled, k_rows, t.b, t.h, t.i0, j0, block, nullptr);
+        probabilities_from_scores(block, block_lse_log2);
+        if (pb.dropout) {
+          at::Tensor keep_scale = block_of(keep_scale_scratch, t.rows, cols);
+          dropout_keep_scales(pb, t.b, t.h, t.i0, j0, keep_scale);
+          block.mul_(at::where(keep_scale == 0, -1.0, 1.0));
+        }
+        rows.narrow(1, j0, cols).copy_(block);
+      });
+    }
+  });
+}
+
+at::Tensor attention_probabilities_cpu(FLASHATTN_PROBABILITIES_ARGS) {
+  const AttentionOptions opts = make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                                             dropout_p, rng_state, SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES},
+                                             std::nullopt);
+  check_probabilities_inputs(q, k, lse, opts, kCpuBackend);
+  check_sequence_values(q, k, opts);
+  at::Tensor probs = allocate_probabilities(q, k, opts);
+  if (is_empty_problem(q, k, opts)) return probs;
+  const CallTensors tensors{q, k, at::Tensor(), at::Tensor(), lse};
+  if (q.scalar_type() == at::kDouble) {
+    probabilities_pass(make_parts<double>(tensors, opts), probs);
+  } else {
+    probabilities_pass(make_parts<float>(tensors, opts), probs);
+  }
+  return probs;
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS) {
   const AttentionOptions opts =
       make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
@@ -819,4 +879,5 @@ BackwardGradients attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
 TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) {
   m.impl("attention_forward", TORCH_FN(flashattn::attention_forward_cpu));
   m.impl("attention_backward", TORCH_FN(flashattn::attention_backward_cpu));
+  m.impl("attention_probabilities", TORCH_FN(flashattn::attention_probabilities_cpu));
 }

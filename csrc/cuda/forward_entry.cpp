@@ -56,4 +56,21 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS
   return {out, lse};
 }
 
+// A testing aid (return_attn_probs=True), so its speed is no object: the CPU backend computes
+// it from copies, with the same dropout mask function as the kernels.
+at::Tensor attention_probabilities_cuda(FLASHATTN_PROBABILITIES_ARGS) {
+  const AttentionOptions opts{softmax_scale, causal,       window_left, window_right,
+                              softcap,       alibi_slopes, dropout_p,   rng_state,
+                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, std::nullopt};
+  check_probabilities_inputs(q, k, lse, opts, cuda_features());
+  const auto on_cpu = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? std::optional<at::Tensor>(t->cpu()) : std::nullopt;
+  };
+  return attention_probabilities_cpu(q.cpu(), k.cpu(), lse.cpu(), softmax_scale, causal, window_left, window_right,
+                                     softcap, on_cpu(alibi_slopes), dropout_p, on_cpu(rng_state),
+                                     on_cpu(cu_seqlens_q), on_cpu(cu_seqlens_k), on_cpu(seqused_q),
+                                     on_cpu(seqused_k), max_seqlen_q, max_seqlen_k)
+      .to(q.device());
+}
+
 }  // namespace flashattn

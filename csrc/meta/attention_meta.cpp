@@ -39,6 +39,14 @@ BackwardGradients attention_backward_meta(FLASHATTN_BACKWARD_ARGS) {
   return allocate_backward_outputs(q, k, v, opts);
 }
 
+at::Tensor attention_probabilities_meta(FLASHATTN_PROBABILITIES_ARGS) {
+  const AttentionOptions opts{softmax_scale, causal,       window_left, window_right,
+                              softcap,       alibi_slopes, dropout_p,   rng_state,
+                              SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, std::nullopt};
+  check_probabilities_inputs(q, k, lse, opts, kMetaBackend);
+  return allocate_probabilities(q, k, opts);
+}
+
 // The caches' mutation is declared by the schema (Tensor(a!)); functionalization
 // (torch.compile, export) writes it back, so the Meta kernel only checks and allocates.
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_meta(FLASHATTN_KVCACHE_FORWARD_ARGS) {
@@ -53,4 +61,5 @@ TORCH_LIBRARY_IMPL(flashattn_ext, Meta, m) {
   m.impl("attention_forward", TORCH_FN(flashattn::attention_forward_meta));
   m.impl("attention_backward", TORCH_FN(flashattn::attention_backward_meta));
   m.impl("attention_kvcache_forward", TORCH_FN(flashattn::attention_kvcache_forward_meta));
+  m.impl("attention_probabilities", TORCH_FN(flashattn::attention_probabilities_meta));
 }
