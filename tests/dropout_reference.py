@@ -187,6 +187,17 @@ def seed_after_manual_seed(manual_seed: int, device) -> int:
     return seed
 
 
+def s_dmask_and_keep_mask(func, case, inputs, manual_seed: int, dropout_p: float, device):
+    """(S_dmask, the reference keep mask or None without dropout) of func (flash_attn_func)
+    called on a dense case's inputs with return_attn_probs=True after torch.manual_seed."""
+    seed = seed_after_manual_seed(manual_seed, device)
+    _, _, s_dmask = func(inputs.q, inputs.k, inputs.v, dropout_p=dropout_p, return_attn_probs=True,
+                         **inputs.func_kwargs())
+    if dropout_p == 0:
+        return s_dmask, None
+    return s_dmask, dropout_keep_mask(seed, 0, dropout_p, case.batch, case.nheads, case.seqlen_q, case.seqlen_k)
+
+
 # ---- Reading a kernel's mask from its output ---------------------------------------------------
 
 def identity_values(v: torch.Tensor, key_positions=None, first_column=None) -> torch.Tensor:

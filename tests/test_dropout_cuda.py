@@ -456,11 +456,5 @@ def test_return_attn_probs_is_flash_attn_s_dmask(dropout_p):
     case = AttentionCase("s_dmask", batch=2, seqlen_q=140, seqlen_k=203, nheads=4, nheads_kv=2, head_dim=64,
                          causal=True, softcap=30.0, alibi="nheads", softmax_scale=1.0, sink=True)
     inputs = case.make(torch.bfloat16, device="cuda")
-    seed = dropout_reference.seed_after_manual_seed(9, "cuda")
-    _, _, s_dmask = flash_attn_func(inputs.q, inputs.k, inputs.v, dropout_p=dropout_p, return_attn_probs=True,
-                                    **inputs.func_kwargs())
-    keep = None
-    if dropout_p > 0:
-        keep = dropout_reference.dropout_keep_mask(seed, 0, dropout_p, case.batch, case.nheads, case.seqlen_q,
-                                                   case.seqlen_k)
+    s_dmask, keep = dropout_reference.s_dmask_and_keep_mask(flash_attn_func, case, inputs, 9, dropout_p, "cuda")
     assert_s_dmask(s_dmask, inputs.q, inputs.k, keep, rtol=2e-2, atol=1e-4, **inputs.reference_kwargs())

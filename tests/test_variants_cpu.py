@@ -390,13 +390,7 @@ S_DMASK_CASES = [
 @pytest.mark.parametrize("case", S_DMASK_CASES, ids=str)
 def test_return_attn_probs_is_flash_attn_s_dmask(case, dtype, dropout_p):
     inputs = case.make(dtype)
-    seed = dropout_reference.seed_after_manual_seed(5, "cpu")
-    _, _, s_dmask = flash_attn_func(inputs.q, inputs.k, inputs.v, dropout_p=dropout_p, return_attn_probs=True,
-                                    **inputs.func_kwargs())
-    keep = None
-    if dropout_p > 0:
-        keep = dropout_reference.dropout_keep_mask(seed, 0, dropout_p, case.batch, case.nheads, case.seqlen_q,
-                                                   case.seqlen_k)
+    s_dmask, keep = dropout_reference.s_dmask_and_keep_mask(flash_attn_func, case, inputs, 5, dropout_p, "cpu")
     tolerance = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
     assert_s_dmask(s_dmask, inputs.q, inputs.k, keep, **tolerance, **inputs.reference_kwargs())
 

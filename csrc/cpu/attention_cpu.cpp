@@ -764,13 +764,8 @@ template <typename acc_t>
 void probabilities_pass(const std::vector<Part<acc_t>>& parts, at::Tensor& probs) {
   const auto tasks_of = [](const Problem<acc_t>& pb) { return num_query_block_tasks(pb); };
   run_part_tasks(parts, tasks_of, [&](const auto& next_task) {
-    const at::TensorOptions& opts = parts.front().pb.acc_options;
     const int64_t d = parts.front().pb.head_dim;
-    const at::Tensor q_scratch = at::empty({kBlockQ * d}, opts);
-    const at::Tensor k_scratch = at::empty({kBlockK * d}, opts);
-    const at::Tensor scores_scratch = at::empty({kBlockQ * kBlockK}, opts);
-    const at::Tensor keep_scale_scratch = at::empty({kBlockQ * kBlockK}, opts);
-    const at::Tensor lse_scratch = at::empty({kBlockQ}, opts);
+    BackwardScratch scratch(parts.front().pb.acc_options, d);  // dq_pass's P, without its dP
 
     const Part<acc_t>* part;
     for (int64_t task; next_task(part, task);) {
@@ -780,18 +775,18 @@ void probabilities_pass(const std::vector<Part<acc_t>>& parts, at::Tensor& probs
       const at::Tensor& lse = part->t.lse;
       const QueryBlockTask t(pb, task);
       const int64_t kv_head = t.h / pb.group_size();
-      at::Tensor q_scaled = block_of(q_scratch, t.rows, d);
+      at::Tensor q_scaled = block_of(scratch.q, t.rows, d);
       q_scaled.copy_(head_rows(q, t.b, t.h, t.i0, t.rows)).mul_(pb.qk_scale);
-      at::Tensor block_lse_log2 = lse_scratch.narrow(0, 0, t.rows);
+      at::Tensor block_lse_log2 = scratch.acc.narrow(0, 0, t.rows);
       at::mul_out(block_lse_log2, lse[t.b][t.h].narrow(0, t.i0, t.rows), M_LOG2E);
       at::Tensor rows = probs[pb.first_batch_entry + t.b][t.h].narrow(0, t.i0, t.rows);
       for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
-        const at::Tensor k_rows = in_acc_dtype(head_rows(k, t.b, kv_head, j0, cols), k_scratch);
-        at::Tensor block = block_of(scores_scratch, t.rows, cols);
+        const at::Tensor k_rows = in_acc_dtype(head_rows(k, t.b, kv_head, j0, cols), scratch.k);
+        at::Tensor block = block_of(scratch.scores, t.rows, cols);
         compute_scores(pb, q_scaled, k_rows, t.b, t.h, t.i0, j0, block, nullptr);
         probabilities_from_scores(block, block_lse_log2);
         if (pb.dropout) {
-          at::Tensor keep_scale = block_of(keep_scale_scratch, t.rows, cols);
+          at::Tensor keep_scale = block_of(scratch.keep_scale, t.rows, cols);
           dropout_keep_scales(pb, t.b, t.h, t.i0, j0, keep_scale);
           block.mul_(at::where(keep_scale == 0, -1.0, 1.0));
         }
