@@ -105,7 +105,7 @@ def _draw_rng_state(device: torch.device) -> torch.Tensor:
     ``device``: torch.manual_seed makes the mask reproducible, and each call
     advances the generator, so consecutive calls get a fresh seed and different
     masks (the offset stays 0). The backward reuses the same tensor, so it
-    regenerates the forward's mask (csrc/philox.h)."""
+    regenerates the forward's mask (csrc/common/philox.h)."""
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
     offset = torch.zeros(1, dtype=torch.int64, device=device)
     return torch.cat([seed, offset])

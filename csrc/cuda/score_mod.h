@@ -30,18 +30,13 @@ enum class ScoreMod {
   kSoftcapBiasDropout = 7,
 };
 
-#if defined(__CUDACC__)
-#define FLASHATTN_SCORE_MOD_QUERY constexpr __host__ __device__
-#else
-#define FLASHATTN_SCORE_MOD_QUERY constexpr
-#endif
-FLASHATTN_SCORE_MOD_QUERY bool has_bias(ScoreMod mod) { return (int(mod) & 1) != 0; }
-FLASHATTN_SCORE_MOD_QUERY bool has_softcap(ScoreMod mod) { return (int(mod) & 2) != 0; }
-FLASHATTN_SCORE_MOD_QUERY bool has_dropout(ScoreMod mod) { return (int(mod) & 4) != 0; }
+constexpr FLASHATTN_HOST_DEVICE bool has_bias(ScoreMod mod) { return (int(mod) & 1) != 0; }
+constexpr FLASHATTN_HOST_DEVICE bool has_softcap(ScoreMod mod) { return (int(mod) & 2) != 0; }
+constexpr FLASHATTN_HOST_DEVICE bool has_dropout(ScoreMod mod) { return (int(mod) & 4) != 0; }
 // The part that turns a score into a logit (kNone, kBias, kSoftcap, kSoftcapBias).
-FLASHATTN_SCORE_MOD_QUERY ScoreMod logit_mod(ScoreMod mod) { return ScoreMod(int(mod) & 3); }
+constexpr FLASHATTN_HOST_DEVICE ScoreMod logit_mod(ScoreMod mod) { return ScoreMod(int(mod) & 3); }
 // Whether the forward reads the learnable sink: every variant with a logit modifier.
-FLASHATTN_SCORE_MOD_QUERY bool reads_sink(ScoreMod mod) { return logit_mod(mod) != ScoreMod::kNone; }
+constexpr FLASHATTN_HOST_DEVICE bool reads_sink(ScoreMod mod) { return logit_mod(mod) != ScoreMod::kNone; }
 
 // The backward's variant: lse carries the sink, so the plain kernels serve a call whose only
 // modifier it is.

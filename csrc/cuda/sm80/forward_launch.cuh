@@ -42,7 +42,7 @@ struct ForwardTilePlan<96> {
 };
 template <>
 struct ForwardTilePlan<128> {
-  using Primary = ForwardTileShape<128, 64, 64, 4>;
+  using Primary = ForwardTileShape<128, 128, 64, 4>;
   using Fallback = Primary;
 };
 template <>
