@@ -14,7 +14,7 @@
 namespace flashattn {
 
 // What the caller allocates (fp32 / int32, all uninitialised; the launch zeroes what it needs):
-//   dq_accum  (workspace_rows, head_dim_rounded)
+//   dq_accum  (workspace_rows, head_dim_rounded) in 8 x 8 tiles (dq_accum_offset)
 //   softmax_d, lse_log2  (workspace_rows)
 //   dq_semaphore  batch * nheads_q * semaphores_per_head, only when deterministic
 // Dense q: rows are (batch, nheads_q, seqlen_q_rounded). Variable-length q: (nheads_q, rows_q
@@ -63,6 +63,17 @@ FLASHATTN_HOST_DEVICE int64_t backward_workspace_sequence(const AttentionBwdPara
 }
 FLASHATTN_HOST_DEVICE int64_t backward_workspace_row(const AttentionBwdParams& p, int q_offset, int b, int h) {
   return backward_workspace_sequence(p, q_offset, b) + h * p.workspace_head_stride;
+}
+
+// Where element (workspace row, column) of dq_accum is: in 8 x 8 tiles of fp32 (256
+// contiguous bytes, row-major inside), ordered by columns within each group of 8 rows. Then a
+// query block (whole groups of 8 rows from a multiple of 8) is one contiguous range, which the
+// Hopper kernel adds in one bulk reduction; a warp's m16n8 accumulator pairs of 8 rows x 8
+// columns fill one tile, so staging them in shared memory in this layout is free of bank
+// conflicts; and 8 columns of a row are 32 contiguous bytes (the postprocess reads). The offset
+// is additive in row and column steps that are multiples of 8.
+FLASHATTN_HOST_DEVICE constexpr int64_t dq_accum_offset(int64_t row, int col, int width) {
+  return ((row / 8) * (width / 8) + col / 8) * 64 + (row % 8) * 8 + col % 8;
 }
 
 // params must carry the workspace pointers and the geometry of

@@ -94,7 +94,8 @@ __global__ void __launch_bounds__(kPostThreads) attention_backward_postprocess_k
     const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
     const SequenceInfo seq(p, b);
     if (i >= seq.seqlen_q) continue;
-    const float* src = p.dq_accum + (backward_workspace_row(p, seq.q_offset, b, h) + i) * p.head_dim_rounded + c * 8;
+    const float* src =
+        p.dq_accum + dq_accum_offset(backward_workspace_row(p, seq.q_offset, b, h) + i, c * 8, p.head_dim_rounded);
     const float4 lo = *reinterpret_cast<const float4*>(src);
     const float4 hi = *reinterpret_cast<const float4*>(src + 4);
     const float s = p.softmax_scale;

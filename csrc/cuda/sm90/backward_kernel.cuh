@@ -22,7 +22,9 @@
 //   dSᵀ → shared memory, then, after both warpgroups wrote theirs (named barrier):
 //   dQ[:, half] = dS K[:, half]               (wgmma SS, M = queries, N = W / 2, K = all
 //                                              kBlockN keys, A = dSᵀ and B = K both MN-major)
-//   dQ_accum += dQ                            (fp32 red.global.add.v2)
+//   dQ → shared memory (fp32, dq_accum's 8 x 8 tiles), then dQ_accum += dQ by one bulk reduction
+//                                             (cp.reduce.async.bulk .add.f32) that a warp of the
+//                                             producer warpgroup issues, the dQ writer
 //
 // By head dims (W = 256): dK + dV of 64 keys x 256 columns would take all 256 registers of a
 // warpgroup's thread, so kBlockN = 64 keys are shared by both warpgroups and each owns half of
@@ -31,7 +33,8 @@
 //   Pᵀ, dSᵀ of its 32 queries → shared memory; named barrier; then over all 64 queries:
 //   dV[:, half c] += Pᵀ dO[:, half c],  dK[:, half c] += dSᵀ Q[:, half c]
 //                                             (wgmma SS: A = Pᵀ / dSᵀ K-major, B MN-major)
-//   dQ[:, half c] = dS K[:, half c]           (as above, K = the 64 keys)
+//   dQ[:, half c] = dS K[:, half c]           (as above, K = the 64 keys; added to dQ_accum by
+//                                             fp32 red.global.add.v2: no room for a dQ tile)
 //
 // Splitting dQ by head-dim halves between the warpgroups, rather than by keys, adds each
 // element to the workspace once per key block instead of twice, and keeps the dQ accumulator at
@@ -42,7 +45,12 @@
 // Producer: one thread issues the TMA copies, K and V once, then per query block Q and dO (4-d
 // maps, 128-byte swizzle, zero fill past the sequence and past head_dim) into a ring of kStages
 // stages, completing on "full" mbarriers; a stage is reused once all 8 consumer warps have
-// arrived on its "empty" mbarrier.
+// arrived on its "empty" mbarrier. The dQ writer (by keys) waits on the named barrier
+// kDqFullBarrier for the consumers' dQ tile, adds it to the workspace with one bulk reduction
+// and, once that has read the tile, arrives on kDqEmptyBarrier, which the consumers wait on
+// before they store the next one. Per-thread atomics instead (v1, v2) stalled the consumers on
+// the load/store queue with all 8 warps at the same point; one bulk add per row (64 of them
+// per block) instead was limited by the copy engine's rate of operations (d 64 lost 28 %).
 //
 // lse2 and D of a query block: 128 consumer threads load one value each from the workspaces an
 // iteration ahead, at its start, and store it into the other of two buffers just before that
@@ -60,8 +68,9 @@
 //  - wgmma: M = 64 rows per warpgroup fixes 64 keys per warpgroup product; kBlockM = 64 is one
 //    128-byte swizzle row of a score tile (the MN-major A of dQ).
 //  - shared memory: K, V (kBlockN x W) + kStages x (Q, dO) (kBlockM x W) + 2 buffers of the score
-//    tiles (dSᵀ; and Pᵀ when split by head dims; kBlockN x kBlockM each): 98 KB at W = 64, 160 KB
-//    at W = 128, 224 KB at W = 256 (two stages), within the 227 KB of sm_90.
+//    tiles (dSᵀ; and Pᵀ when split by head dims; kBlockN x kBlockM each) + by keys the fp32 dQ
+//    tile (kBlockM x W): 114 KB at W = 64, 192 KB at W = 128, 224 KB at W = 256 (two stages),
+//    within the 227 KB of sm_90.
 //
 // Not here: deterministic dQ (the launch layer keeps it on the sm_80 kernel, whose semaphore
 // order this kernel does not implement), W not a multiple of 64.
@@ -74,6 +83,9 @@
 //       query blocks.
 //   v2  lse2 / D prefetched by the consumers into shared memory under their named barrier (no
 //       bulk copies: racecheck clean); W = 256 through the split by head dims.
+//   v3  dq_accum in 8 x 8 tiles; by keys, dQ through shared memory and one bulk add per block
+//       by the dQ writer warp (d 128 N 8192: 392 -> 508 TFLOP/s; W = 256's atomics, now two
+//       cache lines per warp instead of eight: 275 -> 358).
 #pragma once
 
 #include <cuda.h>
@@ -122,7 +134,12 @@ struct Sm90BackwardShape {
   static constexpr int kOffScores = kOffDO + kStages * kQBytes;
   static constexpr int kOffLse = kOffScores + 2 * kScoreTiles * kScoreBytes;
   static constexpr int kOffD = kOffLse + 2 * kRowStatBytes;  // both double-buffered by iteration
-  static constexpr int kOffBarriers = kOffD + 2 * kRowStatBytes;
+  // dQ of a query block in fp32, laid out as dq_accum is (its 8 x 8 tiles), for one bulk add (by
+  // keys only: by head dims it would take 64 KB more than there is).
+  static constexpr bool kDqThroughSharedMemory = !kSplitHeadDim;
+  static constexpr int kDqBytes = kBlockM * kHeadDim * 4;
+  static constexpr int kOffDq = kOffD + 2 * kRowStatBytes;
+  static constexpr int kOffBarriers = kOffDq + (kDqThroughSharedMemory ? kDqBytes : 0);
   static constexpr int kBarriers = 1 + 2 * kStages;  // K/V full; per stage full, empty
   static constexpr int kSmemBytes = sm90::kSwizzleAtomBytes + kOffBarriers + 8 * kBarriers;
   static constexpr int kStageBytes = 2 * kQBytes;  // TMA bytes per stage
@@ -136,6 +153,7 @@ struct Sm90BackwardShape {
   static_assert(kBlockN == kKeysPerWarpgroup * (kSplitHeadDim ? 1 : kConsumerWarpgroups), "key ownership");
   static_assert(kBackwardQueryRowRounding % kBlockM == 0, "lse2 / D reads of a block stay in the workspace");
   static_assert(2 * kBlockM <= kConsumerThreads, "one consumer thread per lse2 or D value");
+  static_assert(kOffDq % 16 == 0, "bulk adds read 16-byte aligned shared memory");
   static_assert(kSmemBytes <= 227 * 1024, "fits the shared memory of an sm_90 block");
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
                 "register budget");
@@ -252,6 +270,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int n0 = blk.n0, h_kv = blk.h_kv, b = blk.b, group = blk.group;
   // Iteration it: query head h_kv * group + it / num_m, query block m_first + it % num_m.
   const int m_first = blk.m_first, num_m = blk.num_m, num_iters = blk.num_iters;
+  const auto head_of = [&](int it) { return h_kv * group + it / num_m; };
+  const auto query_block_start = [&](int it) { return (m_first + it % num_m) * BM; };  // in the sequence
+  // dQ's fp32 workspace tile of iteration it (its rows from a multiple of 8: dq_accum_offset is
+  // additive from there).
+  const auto dq_workspace_block = [&](int it) {
+    return p.dq_accum +
+           dq_accum_offset(workspace_sequence + head_of(it) * p.workspace_head_stride + query_block_start(it), 0, W);
+  };
+  const uint32_t dq_smem = base + Shape::kOffDq;
+  constexpr int kDqBarrierThreads = Shape::kConsumerThreads + 32;  // the consumers and the dQ writer warp
   const MaskGeometry& mask = blk.mask;
   const int warpgroup = threadIdx.x / 128;
 
@@ -279,12 +307,28 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         const int stage = write.index;
         // The consumers free a stage one phase after it was filled.
         if (it >= kStages) sm90::mbarrier_wait(empty(stage), write.phase ^ 1);
-        const int h = h_kv * group + it / num_m;
-        const int m0 = seq.q_offset + (m_first + it % num_m) * BM;
+        const int h = head_of(it), m0 = seq.q_offset + query_block_start(it);
         sm90::mbarrier_arrive_expect_bytes(full(stage), Shape::kStageBytes);
         sm90::tma_load_tile<Shape::kColumnBlocks>(q_smem(stage), &args.q_map, full(stage), BM, m0, h, q_batch);
         sm90::tma_load_tile<Shape::kColumnBlocks>(do_smem(stage), &args.do_map, full(stage), BM, m0, h, q_batch);
       }
+    } else if (Shape::kDqThroughSharedMemory && threadIdx.x / 32 == 1 && num_iters > 0) {
+      // The dQ writer: one bulk add of the block's dQ tile, its groups of 8 rows that start before
+      // seqlen_q (the rows past it hold zeros), into the workspace; the tile goes back to the
+      // consumers once the add has read it.
+      const bool issuer = threadIdx.x % 32 == 0;
+      for (int it = 0; it < num_iters; ++it) {
+        const int row_groups = (min(BM, seq.seqlen_q - query_block_start(it)) + 7) / 8;
+        sm90::named_barrier_sync(sm90::kDqFullBarrier, kDqBarrierThreads);
+        if (issuer) {
+          sm90::bulk_reduce_add_f32(dq_workspace_block(it), dq_smem, row_groups * 8 * W * 4);
+          sm90::bulk_commit_group();
+          sm90::bulk_wait_sources_read<0>();
+        }
+        __syncwarp();
+        if (it + 1 < num_iters) sm90::named_barrier_arrive(sm90::kDqEmptyBarrier, kDqBarrierThreads);
+      }
+      if (issuer) sm90::bulk_wait<0>();
     }
     return;
   }
@@ -326,9 +370,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // (0..63) or 64 D (64..127); threads 128.. have none.
   const int stat_index = threadIdx.x - 128;
   const auto fetch_row_stat = [&](int it) {
-    const int h = h_kv * group + it / num_m;
-    const int m0 = (m_first + it % num_m) * BM;
-    const int64_t row = workspace_sequence + h * p.workspace_head_stride + m0;
+    const int64_t row = workspace_sequence + head_of(it) * p.workspace_head_stride + query_block_start(it);
     return stat_index < BM ? __ldg(p.lse_log2 + row + stat_index) : __ldg(p.softmax_d + row + stat_index - BM);
   };
   float* const row_stat_buffers = reinterpret_cast<float*>(base_ptr + Shape::kOffLse);  // [lse2 x 2][D x 2]
@@ -345,8 +387,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   for (int it = 0; it < num_iters; ++it, read.advance()) {
     const int stage = read.index;
     const int buf = it & 1;
-    const int h = h_kv * group + it / num_m;
-    const int m0 = (m_first + it % num_m) * BM;
+    const int h = head_of(it), m0 = query_block_start(it);
     const bool prefetch = stat_index < 2 * BM && it + 1 < num_iters;
     const float next_row_stat = prefetch ? fetch_row_stat(it + 1) : 0.f;
 
@@ -476,17 +517,32 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     __syncwarp();
     if (lane == 0) sm90::mbarrier_arrive(empty(stage));
 
-    // Rows past seqlen_q would only add zeros: skip them. Columns past head_dim add zeros to the
-    // padding of dq_accum, which nothing reads.
-    float* dq_rows = p.dq_accum + (workspace_sequence + h * p.workspace_head_stride + m0) * W;
+    // Rows past seqlen_q would only add zeros: they are skipped. Columns past head_dim add zeros
+    // to the padding of dq_accum, which nothing reads.
+    // This lane's first dQ element in a tile, the rest at compile-time offsets from it.
+    const int dq_lane = dq_accum_offset(warp_row + g, dq_col0 + 2 * t, W);
+    if constexpr (Shape::kDqThroughSharedMemory) {
+      // The tile is free once the writer's adds of the previous iteration have read it.
+      if (it > 0) sm90::named_barrier_sync(sm90::kDqEmptyBarrier, kDqBarrierThreads);
+      float* const dq_tile = reinterpret_cast<float*>(base_ptr + Shape::kOffDq) + dq_lane;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row + g + 8 * half;
-      if (m0 + row < seq.seqlen_q) {
+      for (int half = 0; half < 2; ++half)
 #pragma unroll
         for (int j = 0; j < Shape::kDqColumns / 8; ++j)
-          backward::red_add_pair(dq_rows + row * W + dq_col0 + 8 * j + 2 * t, dq[4 * j + 2 * half],
-                                 dq[4 * j + 2 * half + 1]);
+          *reinterpret_cast<float2*>(dq_tile + dq_accum_offset(8 * half, 8 * j, W)) =
+              make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+      sm90::fence_shared_to_async_proxy();
+      sm90::named_barrier_arrive(sm90::kDqFullBarrier, kDqBarrierThreads);
+    } else {
+      float* const dq_block = dq_workspace_block(it) + dq_lane;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (m0 + warp_row + g + 8 * half < seq.seqlen_q) {
+#pragma unroll
+          for (int j = 0; j < Shape::kDqColumns / 8; ++j)
+            backward::red_add_pair(dq_block + dq_accum_offset(8 * half, 8 * j, W), dq[4 * j + 2 * half],
+                                   dq[4 * j + 2 * half + 1]);
+        }
       }
     }
   }

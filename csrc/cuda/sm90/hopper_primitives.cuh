@@ -1,7 +1,8 @@
 // Thin wrappers over the sm_90 PTX the Hopper kernels are built from:
 // mbarriers (the completion signal of TMA copies and the hand-back of a
 // shared-memory stage), TMA tile loads (cp.async.bulk.tensor), wgmma's
-// shared-memory matrix descriptors and its fence/commit/wait, and setmaxnreg.
+// shared-memory matrix descriptors and its fence/commit/wait, bulk reduce-adds from shared to
+// global memory, named barriers, and setmaxnreg.
 //
 // Shared-memory tiles are stored the way TMA's 128-byte swizzle writes them and
 // wgmma's 128-byte-swizzle descriptors read them: column blocks of 64 16-bit
@@ -72,6 +73,31 @@ __device__ __forceinline__ void bulk_load(uint32_t smem_dst, const void* src, ui
       : "memory");
 }
 
+// Adds `bytes` bytes of fp32 values in shared memory (16-byte aligned, a multiple of 16 bytes)
+// element-wise into global memory, in this thread's current bulk group: the copy engine does the
+// additions in L2, so the issuing thread neither waits for them nor holds registers for them.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t smem_src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_src), "r"(bytes)
+               : "memory");
+}
+
+// Closes this thread's current bulk group.
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until at most kPending of this thread's bulk groups still read their shared-memory
+// sources (the sources may then be overwritten; the global writes may still be in flight).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_sources_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Waits until at most kPending of this thread's bulk groups are incomplete.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // Makes this thread's ordinary shared-memory writes visible to the async proxy
 // (wgmma operand reads, TMA), which does not see them otherwise.
 __device__ __forceinline__ void fence_shared_to_async_proxy() {
@@ -81,12 +107,19 @@ __device__ __forceinline__ void fence_shared_to_async_proxy() {
 // The named barriers of the Hopper kernels, one list (id 0 is __syncthreads).
 enum NamedBarrier : int {
   kConsumersBarrier = 1,  // every consumer thread of the block
+  kDqFullBarrier = 2,     // backward: the consumers' dQ tile is in shared memory (consumers + dQ writer)
+  kDqEmptyBarrier = 3,    // backward: the dQ writer's bulk adds have read that tile
 };
 
 // Barrier `id` (1..15; 0 is __syncthreads) that completes once `threads` threads (whole
 // warps) have reached it, so some warpgroups of a block can synchronise without the others.
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(threads) : "memory");
+}
+
+// Arrives at barrier `id` (see named_barrier_sync) without waiting for it to complete.
+__device__ __forceinline__ void named_barrier_arrive(NamedBarrier id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(threads) : "memory");
 }
 
 // Zeroes rows [row_begin, rows) of a tile that tma_load_tile filled (each of its column
