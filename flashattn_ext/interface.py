@@ -36,7 +36,9 @@ applied in steps of 2^-16 (each element's 16-bit word decides it).
 Differences from flash-attn, all deliberate:
 
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` as flash-attn does,
-  for testing only (it forms the N x N matrix; on CUDA the CPU backend computes it):
+  S_dmask None without dropout (as flash-attn 2: callers that want softmax_lse pay
+  nothing more). With dropout it is for testing only (it forms the N x N matrix; on CUDA
+  the CPU backend computes it, so it cannot be captured in a CUDA graph):
   S_dmask (batch, nheads, seqlen_q, seqlen_k) in q's dtype, each seqlen the longest
   sequence rounded up to a multiple of 128, holds P = exp(S - softmax_lse) where a key
   is visible, 0 elsewhere, and -P where dropout dropped the element (flash-attn's
@@ -135,10 +137,12 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                                      *layout.op_args(), learnable_sink)
     out = out[..., :head_dim]
     if return_attn_probs:
-        with torch.no_grad():
-            probs = ops.attention_probabilities(q_op, k_op, lse, softmax_scale, bool(causal), window_left,
-                                                window_right, softcap, alibi_slopes, dropout_p, rng_state,
-                                                *layout.op_args())
+        probs = None
+        if dropout_p > 0.0:
+            with torch.no_grad():
+                probs = ops.attention_probabilities(q_op, k_op, lse, softmax_scale, bool(causal), window_left,
+                                                    window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                                                    *layout.op_args())
         return out, lse, probs
     return out
 

@@ -53,8 +53,7 @@ def run_varlen(case: VarlenCase, inputs):
         out, lse, probs = flash_attn_varlen_func(inputs.q, inputs.k, inputs.v, cu_q, cu_k, max_q, max_k,
                                                  **inputs.func_kwargs(), return_attn_probs=True,
                                                  seqused_q=used_q, seqused_k=used_k)
-        assert probs.shape == (cu_q.numel() - 1, inputs.q.size(1), (max_q + 127) // 128 * 128,
-                               (max_k + 127) // 128 * 128)
+        assert probs is None  # no dropout: flash-attn 2 forms no S_dmask
     else:
         out, lse = forward_op(*inputs.forward_op_args())
     grads = torch.autograd.grad(out, inputs.differentiable(), inputs.dout)
@@ -211,7 +210,7 @@ def test_packed_variants_match_flash_attn_varlen_func():
 
     qkv = torch.stack([inputs.q, inputs.k, inputs.v], dim=1).requires_grad_()
     out, lse, probs = flash_attn_varlen_qkvpacked_func(qkv, cu_q, max_q, causal=True, return_attn_probs=True)
-    assert probs.shape[-2:] == (128 * ((max_q + 127) // 128),) * 2
+    assert probs is None  # no dropout: flash-attn 2 forms no S_dmask
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
     (dqkv,) = torch.autograd.grad(out, qkv, inputs.dout)
     assert torch.equal(dqkv, torch.stack(expected_grads, dim=1))
