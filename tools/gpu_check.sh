@@ -4,14 +4,16 @@
 # Logs and result files are written under a work folder and packed into one
 # archive, $OUT/gpu_results.tgz (the device tool brings back only a few files).
 #
-#   bash tools/gpu_check.sh [build] [tests] [suite] [sanitize] [sweep] [bwd-check] [bench] [bench-full]
+#   bash tools/gpu_check.sh [build] [tests] [suite] [sanitize] [sweep] [bwd-check] [profile] [bench] [bench-full]
 #   (default: build tests)
 #
 # Environment: OUT (default /tmp/flashattn_gpu_out), GPU_WORK (the work folder),
 # MAX_JOBS (default 16),
 # FLASHATTN_CUDA_ARCHS (default 90a: only the GPU's own target, for a quick build),
 # FLASHATTN_HEAD_DIMS (restrict the compiled tiles while iterating),
-# PYTEST_ARGS (extra pytest arguments, e.g. "-k d128").
+# PYTEST_ARGS (extra pytest arguments, e.g. "-k d128"),
+# PROFILE_KERNEL, PROFILE_ARGS (the profile stage: a regex of the kernel's name, default the
+# Hopper backward; tools/profile_case.py's arguments, default d 128, N 8192).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -109,6 +111,16 @@ except RuntimeError as e:
       run_stage bwd_check_build nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc \
         benchmarks/kernels/backward_sm90_check.cu -o /tmp/backward_sm90_check &&
       TAIL_LINES=12 run_stage bwd_check timeout 300 /tmp/backward_sm90_check ;;
+    profile)
+      # Nsight Compute on one kernel of one call: throughput and warp-state sections, then the
+      # SASS instructions that hold the most stall samples (tools/ncu_hotspots.py).
+      run_stage profile_ncu timeout 300 ncu -k "regex:${PROFILE_KERNEL:-attention_backward_sm90}" --launch-count 1 \
+        --import-source no --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section SourceCounters -f -o "$WORK/profile" "$PY" tools/profile_case.py ${PROFILE_ARGS:-} &&
+      run_stage profile_details ncu -i "$WORK/profile.ncu-rep" --page details &&
+      run_stage profile_sass bash -c "ncu -i '$WORK/profile.ncu-rep' --page source --csv --print-source sass \
+        > '$WORK/profile_sass.csv'" &&
+      TAIL_LINES=100 run_stage profile_hotspots "$PY" tools/ncu_hotspots.py "$WORK/profile_sass.csv" ;;
     bench)
       TAIL_LINES=80 run_stage bench "$PY" benchmarks/bench_attention.py --quick --out "$WORK/bench" ;;
     bench-full)

@@ -1,0 +1,55 @@
+"""The developer tools that run without a GPU: tools/ncu_hotspots.py on a small source page
+laid out as Nsight Compute writes it (--page source --csv --print-source sass)."""
+
+import csv
+import pathlib
+import subprocess
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+          "stall_barrier", "stall_long_sb", "stall_wait", "stall_barrier (Not Issued)",
+          "stall_long_sb (Not Issued)", "stall_wait (Not Issued)"]
+# (source, barrier, long_sb, wait): 100 samples in all.
+INSTRUCTIONS = [
+    ("LDG.E R2, desc[UR4][R4.64]", 0, 0, 2),
+    ("IMAD R3, R3, R2, RZ", 0, 1, 1),
+    ("FFMA R5, R2, R3, R5", 0, 60, 2),
+    ("BAR.SYNC 0x1, 0x100", 30, 0, 0),
+    ("EXIT", 0, 0, 4),
+]
+
+
+def hotspots(path, *args):
+    return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "ncu_hotspots.py"), str(path), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_ncu_hotspots_charges_each_instruction_its_samples(tmp_path):
+    page = tmp_path / "sass.csv"
+    with open(page, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Kernel Name", "void attention_backward_sm90_kernel<...>(...)"])
+        writer.writerow(HEADER)
+        for i, (source, barrier, long_sb, wait) in enumerate(INSTRUCTIONS):
+            total = barrier + long_sb + wait
+            writer.writerow([hex(0x100 + 16 * i), source, total, total, barrier, long_sb, wait, 0, 0, 0])
+    proc = hotspots(page, "--top", "2", "--context", "1")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "5 instructions, 100 samples"
+    assert lines[1] == "by reason: long_sb 61.0 %, barrier 30.0 %, wait 9.0 %"
+    marked = [line for line in lines if line.startswith("  >>> ")]
+    assert len(marked) == 2
+    assert "FFMA" in marked[0] and "62.0 %" in marked[0] and "[long_sb 60.0, wait 2.0]" in marked[0]
+    assert "BAR.SYNC" in marked[1] and "30.0 %" in marked[1] and "[barrier 30.0]" in marked[1]
+    # One instruction of context before each: the IMAD above the FFMA, the FFMA above the BAR.
+    assert any("IMAD" in line for line in lines[lines.index(marked[0]) - 1:lines.index(marked[0])])
+
+
+def test_ncu_hotspots_names_a_file_without_a_source_page(tmp_path):
+    page = tmp_path / "details.csv"
+    page.write_text('"Kernel Name","k"\n"Metric Name","Metric Value"\n')
+    proc = hotspots(page)
+    assert proc.returncode != 0
+    assert "has no source-page header" in proc.stderr

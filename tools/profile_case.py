@@ -1,0 +1,35 @@
+"""One attention call of the benchmark's shape, for a profiler to catch its kernels:
+batch x seqlen = 16384 tokens, hidden 2048 (nheads = 2048 / head_dim), bf16, random inputs.
+
+    ncu -k regex:attention_backward_sm90 --launch-count 1 ... python3 tools/profile_case.py \
+        --head-dim 128 --seqlen 8192 --causal
+
+The forward runs always (the backward needs its out and lse); the backward unless --forward-only.
+"""
+import argparse
+
+import torch
+
+import flashattn_ext  # noqa: F401  (registers the ops)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--forward-only", action="store_true")
+    args = parser.parse_args()
+    ops = torch.ops.flashattn_ext
+    d, n = args.head_dim, args.seqlen
+    batch, nheads = max(1, 16384 // n), max(1, 2048 // d)
+    q, k, v, dout = (torch.randn(batch, n, nheads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = d ** -0.5
+    out, lse = ops.attention_forward(q, k, v, scale, args.causal, -1, -1, 0.0, None, 0.0, None, False)
+    if not args.forward_only:
+        ops.attention_backward(dout, q, k, v, out, lse, scale, args.causal, -1, -1, 0.0, None, 0.0, None, False)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
