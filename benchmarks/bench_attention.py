@@ -11,6 +11,7 @@ torch.autograd.grad on a saved graph (their only entry point), fwd+bwd goes thro
 autograd for everyone (flashattn_ext.flash_attn_func for ours).
 
     python benchmarks/bench_attention.py --quick --out results/attention
+    python benchmarks/bench_attention.py --hidden 4096 --kv-group 4 --head-dims 128   # GQA 32/8
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def parse_args(argv=None):
                    help=f"subset of {bc.ALL_KERNEL_IMPLS}, or ours_deterministic (opt-in); ours is always included")
     p.add_argument("--tokens", type=int, default=None, help="batch * seqlen (16384)")
     p.add_argument("--hidden", type=int, default=None, help="nheads * headdim (2048)")
+    p.add_argument("--kv-group", type=int, default=1,
+                   help="query heads per key/value head (GQA; 1: as many KV heads as query heads)")
     p.add_argument("--check-heads", type=int, default=2,
                    help="heads of batch 0 compared with a float32 reference")
     return p.parse_args(argv)
@@ -70,7 +73,7 @@ def causal_values(choice):
 
 def make_sets(impl, shape, device, dtype, gen, *, requires_grad):
     return bc.make_input_sets(impl.layout, shape.batch, shape.seqlen, shape.seqlen, shape.nheads,
-                              shape.nheads, shape.head_dim, dtype, device, gen,
+                              shape.nheads_kv, shape.head_dim, dtype, device, gen,
                               requires_grad=requires_grad)
 
 
@@ -106,7 +109,7 @@ def time_mode(impl, mode, shape, device, dtype, gen, tcfg):
 
 def run_check(shape, device, dtype, gen, check_heads, need_backward):
     t = bc.make_attention_inputs("bshd", shape.batch, shape.seqlen, shape.seqlen, shape.nheads,
-                                 shape.nheads, shape.head_dim, dtype, device, gen, with_dout=False)
+                                 shape.nheads_kv, shape.head_dim, dtype, device, gen, with_dout=False)
     result = bc.check_ours_against_sdpa(t["q"], t["k"], t["v"], shape.causal, shape.scale,
                                         check_backward=need_backward, heads=check_heads,
                                         generator=gen)
@@ -120,11 +123,12 @@ def build_shapes(args):
     for d in args.head_dims:
         for n in args.seqlens:
             for causal in causal_values(args.causal):
-                if args.tokens % n or args.hidden % d:
-                    raise SystemExit(f"tokens {args.tokens} / seqlen {n} or hidden {args.hidden} / "
-                                     f"headdim {d} is not an integer")
+                if args.tokens % n or args.hidden % d or (args.hidden // d) % args.kv_group:
+                    raise SystemExit(f"tokens {args.tokens} / seqlen {n}, hidden {args.hidden} / "
+                                     f"headdim {d} or nheads / kv_group {args.kv_group} is not an integer")
                 shapes.append(SimpleNamespace(head_dim=d, seqlen=n, causal=causal,
                                               batch=args.tokens // n, nheads=args.hidden // d,
+                                              nheads_kv=args.hidden // d // args.kv_group,
                                               scale=1.0 / math.sqrt(d)))
     return shapes
 
@@ -238,7 +242,7 @@ def main(argv=None):
 
     for shape in bc.progress(shapes, desc="attention shapes"):
         base = dict(dtype=args.dtype, head_dim=shape.head_dim, seqlen=shape.seqlen,
-                    batch=shape.batch, nheads=shape.nheads, causal=shape.causal)
+                    batch=shape.batch, nheads=shape.nheads, nheads_kv=shape.nheads_kv, causal=shape.causal)
         if deadline.expired():
             rows += [dict(base, mode=m, impl=i.name, status=bc.STATUS_SKIPPED,
                           reason="time limit", time_ms=None, tflops=None)

@@ -37,6 +37,19 @@ def test_bench_attention_cpu_dry_run_without_matplotlib(tmp_path):
     assert (tmp_path / "out" / "attention_speed.json").is_file()
 
 
+def test_bench_attention_gqa_cpu_dry_run(tmp_path):
+    proc = run([sys.executable, "benchmarks/bench_attention.py", "--device", "cpu", "--head-dims", "32",
+                "--seqlens", "64", "--causal", "true", "--modes", "fwd", "bwd", "--kv-group", "2",
+                "--impls", "ours", "sdpa_math", "--out", str(tmp_path / "out")], tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    with open(tmp_path / "out" / "attention_speed.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["nheads"], r["nheads_kv"]) for r in rows} == {("4", "2")}
+    assert {r["status"] for r in rows} == {"ok"}, rows
+    assert "causal=True: ours max|diff| vs SDPA" in output and "ok" in output
+
+
 def test_bench_e2e_packed_cpu_dry_run(tmp_path):
     pytest.importorskip("transformers")
     proc = run([sys.executable, "benchmarks/bench_e2e.py", "--quick", "--device", "cpu",
