@@ -517,9 +517,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     __syncwarp();
     if (lane == 0) sm90::mbarrier_arrive(empty(stage));
 
-    // Rows past seqlen_q would only add zeros: they are skipped. Columns past head_dim add zeros
-    // to the padding of dq_accum, which nothing reads.
-    // This lane's first dQ element in a tile, the rest at compile-time offsets from it.
+    // Rows past seqlen_q hold zeros: the atomics skip them, the bulk add all but those of its last
+    // group of 8 rows (which land in the sequence's padded workspace rows). Columns past head_dim
+    // add zeros to the padding of dq_accum, which nothing reads. This lane's first dQ element in
+    // a tile, the rest at compile-time offsets from it:
     const int dq_lane = dq_accum_offset(warp_row + g, dq_col0 + 2 * t, W);
     if constexpr (Shape::kDqThroughSharedMemory) {
       // The tile is free once the writer's adds of the previous iteration have read it.
