@@ -519,9 +519,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     }
     // This lane's first element of the dQ tile; the rest are at compile-time offsets (steps of
     // 8 rows and 8 columns, in which dq_accum_offset is additive).
-    float* dq_lane =
-        p.dq_accum + dq_accum_offset(seq.workspace_row + h * p.workspace_head_stride + m0 + dq_row0 + g,
-                                     dq_col0 + 2 * t, W);
+    float* dq_lane = p.dq_accum +
+                     dq_accum_offset(seq.workspace_row + h * p.workspace_head_stride + m0 + dq_row0, dq_col0, W) +
+                     dq_accum_offset(g, 2 * t, W);
     const int dq_rows_left = seq.seqlen_q - m0 - dq_row0 - g;
 #pragma unroll 1
     for (int chunk = 0; chunk < W; chunk += Tile::kDqChunk) {
@@ -545,6 +545,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       }
       // Rows past seqlen_q only ever add zeros (and cost L2 atomics): skip them. Columns past
       // head_dim add zeros to the padding of dq_accum, which nothing reads.
+      float* const dq_chunk = dq_lane + dq_accum_offset(0, chunk, W);
 #pragma unroll
       for (int mi = 0; mi < kDqMTiles; ++mi) {
 #pragma unroll
@@ -552,7 +553,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           if (16 * mi + 8 * half < dq_rows_left) {
 #pragma unroll
             for (int jd = 0; jd < kDqNTiles; ++jd)
-              red_add_pair(dq_lane + dq_accum_offset(16 * mi + 8 * half, chunk + 8 * jd, W),
+              red_add_pair(dq_chunk + dq_accum_offset(16 * mi + 8 * half, 8 * jd, W),
                            acc[mi][jd][2 * half], acc[mi][jd][2 * half + 1]);
           }
         }
