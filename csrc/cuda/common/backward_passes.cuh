@@ -1,6 +1,7 @@
 // The passes around the backward's main kernel, shared by both kernel families: zeroing
 // the dQ workspace, the preprocess (D, lse2), the postprocess (dq in the output dtype),
-// and the fp32 reduction into the dQ workspace that the main kernels use.
+// and the fp32 reduction into the dQ workspace that the main kernels use, with the semaphores
+// that order it when deterministic.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,6 +17,18 @@
 
 namespace flashattn {
 namespace backward {
+
+// A query block's dQ semaphore (deterministic mode): the number of key blocks that have added
+// to it, read with acquire and written with release semantics at GPU scope.
+__device__ __forceinline__ int load_acquire(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(int* ptr, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
 
 __device__ __forceinline__ void red_add_pair(float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -63,7 +63,9 @@ struct ForwardBlock {
 };
 
 // What one thread block of the backward main kernels owns: the kBlockN keys from n0 of KV
-// head h_kv of batch b (flattened into blockIdx.x, key blocks fastest), and, for each of the
+// head h_kv of batch b (flattened into blockIdx.x, key blocks fastest, so that the blocks
+// running together share their head's Q and dO in L2; `last_key_block_first` launches a head's
+// key blocks in reverse: see dq_adds_last_key_block_first), and, for each of the
 // `group` query heads sharing that KV head, the num_m query blocks from m_first that see one
 // of those keys: num_iters = group * num_m (query head, query block) pairs.
 struct BackwardBlock {
@@ -78,12 +80,14 @@ struct BackwardBlock {
     return int64_t((p.seqlen_k + kBlockN - 1) / kBlockN) * p.batch * p.nheads_kv;
   }
 
-  __device__ __forceinline__ BackwardBlock(const AttentionBwdParams& p, int kBlockM, int kBlockN)
+  __device__ __forceinline__ BackwardBlock(const AttentionBwdParams& p, int kBlockM, int kBlockN,
+                                           bool last_key_block_first = false)
       : seq(p, static_cast<int>(blockIdx.x / ((p.seqlen_k + kBlockN - 1) / kBlockN)) / p.nheads_kv),
         mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right} {
     const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
     const int bh_kv = static_cast<int>(blockIdx.x / num_n_blocks);
-    n0 = static_cast<int>(blockIdx.x % num_n_blocks) * kBlockN;
+    const int index = static_cast<int>(blockIdx.x % num_n_blocks);
+    n0 = (last_key_block_first ? num_n_blocks - 1 - index : index) * kBlockN;
     h_kv = bh_kv % p.nheads_kv;
     b = bh_kv / p.nheads_kv;
     group = p.nheads_q / p.nheads_kv;
@@ -95,6 +99,45 @@ struct BackwardBlock {
     num_iters = group * num_m;
   }
 };
+
+// Deterministic dQ in the Hopper backward: each query block's dQ takes the adds of the key blocks
+// that see it in one fixed order, the order in which they reach it. Where the visible queries
+// start later for later keys (causal, or a window bounded on the right), each key block starts
+// its loop at its diagonal, so the last key block reaches a query block first: the adds run last
+// key block first, and the grid launches a head's key blocks last first too, so that a block only
+// waits for blocks launched before it (no deadlock where a head's key blocks do not all fit on
+// the GPU at once). Otherwise every key block starts at the first query block and the adds run
+// first key block first, a chain that delays the k-th key block of a head by k adds.
+FLASHATTN_HOST_DEVICE bool dq_adds_last_key_block_first(const AttentionBwdParams& p) {
+  return p.window_right >= 0;
+}
+
+// How many key blocks add to query block m_block's dQ before key block nb (which adds to it), in
+// the order of dq_adds_last_key_block_first: the value of the query block's semaphore that nb
+// waits for. A key block adds to the query blocks BackwardBlock gives it; under a banded mask
+// those of one query block are consecutive, and the mask's key range finds them up to a block.
+__device__ __forceinline__ int dq_add_turn(const MaskGeometry& mask, int nb, int m_block, int kBlockM,
+                                           int kBlockN, bool last_key_block_first) {
+  const auto adds = [&](int n) {
+    const int n0 = n * kBlockN;
+    if (n < 0 || n0 >= mask.seqlen_k) return false;
+    const int query_begin = mask.query_begin(n0);
+    const int query_end = mask.query_end(min(n0 + kBlockN, mask.seqlen_k));
+    return query_end > query_begin && query_begin / kBlockM <= m_block &&
+           m_block < (query_end + kBlockM - 1) / kBlockM;
+  };
+  const int m0 = m_block * kBlockM, m_end = min(m0 + kBlockM, mask.seqlen_q);
+  if (last_key_block_first) {
+    int last = max(nb, (min(mask.key_end(m_end), mask.seqlen_k) - 1) / kBlockN);
+    while (last > nb && !adds(last)) --last;
+    while (adds(last + 1)) ++last;
+    return last - nb;
+  }
+  int first = min(nb, mask.key_begin(m0) / kBlockN);
+  while (first < nb && !adds(first)) ++first;
+  while (adds(first - 1)) --first;
+  return nb - first;
+}
 
 // The queries [begin, end) that see each of a lane's two key rows, key and key + 8 (rows g and
 // g + 8 of a warp's 16 in the m16n8 accumulator layout): the element mask of a straddling tile

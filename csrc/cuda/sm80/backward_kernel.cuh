@@ -221,16 +221,6 @@ __device__ __forceinline__ float2 unpack_pair<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
-__device__ __forceinline__ int load_acquire(const int* ptr) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_release(int* ptr, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
-}
-
 // A sequence's rows as the main kernel addresses them (SequenceInfo and the workspace row).
 struct BlockSequence {
   int seqlen_q, seqlen_k, q_offset, k_offset;

@@ -72,8 +72,10 @@
 //    tile (kBlockM x W): 114 KB at W = 64, 192 KB at W = 128, 224 KB at W = 256 (two stages),
 //    within the 227 KB of sm_90.
 //
-// Not here: deterministic dQ (the launch layer keeps it on the sm_80 kernel, whose semaphore
-// order this kernel does not implement), W not a multiple of 64.
+// Deterministic dQ (by keys only): the dQ writer waits for its key block's turn on a semaphore per
+// (batch, head, query block) before each bulk add and passes the turn on once the add is complete
+// (dq_add_turn, dq_adds_last_key_block_first in common/tile_scheduler.cuh). By head dims the
+// launch layer keeps deterministic calls on the sm_80 kernel. Not here: W not a multiple of 64.
 //
 // Build: compiled only for the sm_90a target (wgmma, setmaxnreg); instantiated through
 // backward_launch.cuh in instantiations/bwd_hdim<W>.cu; tested standalone by
@@ -263,7 +265,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const auto full = [&](int stage) { return barriers + 8 * (1 + stage); };
   const auto empty = [&](int stage) { return barriers + 8 * (1 + kStages + stage); };
 
-  const BackwardBlock blk(p, BM, BN);
+  const bool last_key_block_first = dq_adds_last_key_block_first(p);
+  const BackwardBlock blk(p, BM, BN, p.deterministic && last_key_block_first);
   if (blk.empty) return;
   const SequenceInfo& seq = blk.seq;
   const int64_t workspace_sequence = backward_workspace_sequence(p, seq.q_offset, blk.b);
@@ -315,18 +318,36 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     } else if (Shape::kDqThroughSharedMemory && threadIdx.x / 32 == 1 && num_iters > 0) {
       // The dQ writer: one bulk add of the block's dQ tile, its groups of 8 rows that start before
       // seqlen_q (the rows past it hold zeros), into the workspace; the tile goes back to the
-      // consumers once the add has read it.
+      // consumers once the add has read it. Deterministic: the add waits for its turn on the
+      // query block's semaphore (dq_add_turn) and, once complete, passes the turn on.
       const bool issuer = threadIdx.x % 32 == 0;
       for (int it = 0; it < num_iters; ++it) {
-        const int row_groups = (min(BM, seq.seqlen_q - query_block_start(it)) + 7) / 8;
+        const int m0 = query_block_start(it);
+        const int row_groups = (min(BM, seq.seqlen_q - m0) + 7) / 8;
+        int* const semaphore =
+            p.deterministic ? p.dq_semaphore +
+                                  (int64_t{b} * p.nheads_q + head_of(it)) * (p.seqlen_q_rounded / kBackwardMinBlockM) +
+                                  m0 / BM
+                            : nullptr;
+        const int turn = p.deterministic ? dq_add_turn(mask, n0 / BN, m0 / BM, BM, BN, last_key_block_first) : 0;
         sm90::named_barrier_sync(sm90::kDqFullBarrier, kDqBarrierThreads);
         if (issuer) {
+          if (p.deterministic) {
+            while (backward::load_acquire(semaphore) != turn) {
+            }
+            sm90::fence_async_proxy_global();
+          }
           sm90::bulk_reduce_add_f32(dq_workspace_block(it), dq_smem, row_groups * 8 * W * 4);
           sm90::bulk_commit_group();
           sm90::bulk_wait_sources_read<0>();
         }
         __syncwarp();
         if (it + 1 < num_iters) sm90::named_barrier_arrive(sm90::kDqEmptyBarrier, kDqBarrierThreads);
+        if (p.deterministic && issuer) {
+          sm90::bulk_wait<0>();
+          sm90::fence_async_proxy_global();
+          backward::store_release(semaphore, turn + 1);
+        }
       }
       if (issuer) sm90::bulk_wait<0>();
     }

@@ -98,6 +98,12 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Orders this thread's global-memory accesses through the async proxy (bulk copies and
+// reductions) with its ordinary ones, both ways.
+__device__ __forceinline__ void fence_async_proxy_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 // Makes this thread's ordinary shared-memory writes visible to the async proxy
 // (wgmma operand reads, TMA), which does not see them otherwise.
 __device__ __forceinline__ void fence_shared_to_async_proxy() {
