@@ -7,11 +7,11 @@ preprocessor can spell out, so this script does.
 """
 import os
 
-# N of the products the kernels issue: forward S = Q K^T (N = kBlockN) and O += P V
+# N of the products the kernels issue: forward S = Q K^T (N = kBlockN: 64, 80 or 128) and O += P V
 # (N = head-dim tile); backward S^T, dP^T (N = kBlockM, or half of it per warpgroup at
 # d 256, hence 32), dV, dK (the head-dim tile, or half of it) and dQ (half the head-dim
 # tile per warpgroup).
-WIDTHS = (32, 64, 128, 256)
+WIDTHS = (32, 64, 80, 128, 256)
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
 

@@ -31,11 +31,12 @@
 // The shipped plan first (Sm90ForwardPlan), then what it was chosen against.
 #define FLASHATTN_SWEEP_SHAPES                                                              \
   Sm90ForwardShape<64, 128, 1, 3>, Sm90ForwardShape<128, 128, 2, 3>,                        \
-      Sm90ForwardShape<256, 64, 2, 2, false>, Sm90ForwardShape<64, 128, 2, 3>,              \
+      Sm90ForwardShape<256, 80, 2, 2>, Sm90ForwardShape<64, 128, 2, 3>,                     \
       Sm90ForwardShape<64, 128, 1, 2>, Sm90ForwardShape<64, 128, 2, 2, false>,              \
       Sm90ForwardShape<64, 128, 2, 4>, Sm90ForwardShape<64, 64, 3, 4>,                      \
-      Sm90ForwardShape<128, 128, 2, 2, false>, Sm90ForwardShape<256, 32, 2, 3>,             \
-      Sm90ForwardShape<256, 64, 2, 2>
+      Sm90ForwardShape<128, 128, 2, 2>, Sm90ForwardShape<128, 128, 2, 2, false>,            \
+      Sm90ForwardShape<256, 64, 2, 2>, Sm90ForwardShape<256, 64, 2, 2, false>,              \
+      Sm90ForwardShape<256, 32, 2, 3>
 #else
 #define FLASHATTN_SWEEP_SHAPES                                                          \
   ForwardTileShape<64, 128, 64, 4>, ForwardTileShape<64, 128, 128, 8>,                  \
@@ -55,10 +56,10 @@ template <typename Shape>
 cudaError_t launch_shape(const AttentionFwdParams& p) {
   if constexpr (kIsSm90Shape<Shape>) {
     bool launched = false;
-    const cudaError_t e = launch_forward_sm90<bf16, Shape>(p, 0, &launched);
+    const cudaError_t e = launch_forward_sm90<bf16, Shape, ScoreMod::kNone>(p, 0, &launched);
     return e == cudaSuccess && !launched ? cudaErrorNotSupported : e;
   } else {
-    return launch_forward_with_shape<bf16, Shape>(p, 0);
+    return launch_forward_with_shape<bf16, Shape, ScoreMod::kNone>(p, 0);
   }
 }
 
@@ -110,6 +111,8 @@ struct Problem {
     const TensorStrides s{int64_t(seqlen) * nheads * head_dim, int64_t(nheads) * head_dim, head_dim};
     p.q_strides = p.k_strides = p.v_strides = p.out_strides = s;
     p.batch = batch; p.nheads_q = p.nheads_kv = nheads; p.seqlen_q = p.seqlen_k = seqlen;
+    p.rows_q = p.rows_k = seqlen;
+    p.lse_strides = TensorStrides{int64_t(nheads) * seqlen, 1, seqlen};
     p.head_dim = head_dim;
     p.softmax_scale = 1.f / std::sqrt(float(head_dim));
     p.softmax_scale_log2 = p.softmax_scale * float(M_LOG2E);

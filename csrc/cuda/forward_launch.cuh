@@ -15,7 +15,7 @@ namespace flashattn {
 template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_attention_forward(const AttentionFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream) {
-  using HopperShape = typename Sm90ForwardPlan<W>::Shape;
+  using HopperShape = typename Sm90ForwardPlan<W, kMod>::Shape;
   if constexpr (!std::is_void_v<HopperShape>) {
     if (limits.hopper_kernels && HopperShape::kSmemBytes <= limits.max_smem_per_block) {
       bool launched = false;

@@ -5,10 +5,12 @@
 // kBlockM query rows of one (batch, head), key blocks last first, the element
 // mask only on the blocks a boundary cuts), different machinery:
 //  - warpgroup 0 is the producer: one thread issues TMA copies of Q once and of
-//    each K and V block into a ring of kStages shared-memory stages; the copies
-//    complete on "full" mbarriers (K and V separately, so S = Q K^T starts before
-//    V lands) and a stage is reused once every consumer warp has arrived on its
-//    "empty" mbarrier. It gives most of its registers to the consumers (setmaxnreg).
+//    the K and V blocks into two rings of kStages shared-memory stages, one for K and
+//    one for V, K of block j + 1 before V of block j; the copies complete on "full"
+//    mbarriers and a stage is reused once every consumer warp has arrived on its
+//    "empty" mbarrier: a K stage once its S has completed, a V stage once its P V has,
+//    so K runs a block ahead of V. It gives most of its registers to the consumers
+//    (setmaxnreg).
 //  - each consumer warpgroup owns 64 query rows: S = Q K^T is one chain of
 //    wgmma with Q and K from shared memory, the softmax runs on the accumulator
 //    registers (the wgmma m64 accumulator of each warp has the m16n8 layout of
@@ -30,6 +32,10 @@
 //       stages it lost (457 at d 128: the copy of block j+2 waits for block j's
 //       stage, and S_{j+2} for the copy); with 3 stages 647 / 580 causal at d 128,
 //       452 at d 64. W = 256 has room for 2 stages only and keeps v1 (618).
+//   v3  K and V in separate rings (one K/V "empty" barrier made the copy of K_{j+2}
+//       wait for P_j V_j), which lets 2 stages keep the overlap fed: W = 256 runs v2
+//       over 80-key blocks (N 8192: 582 -> 748 TFLOP/s, causal 651); W = 64 / 128
+//       unchanged within noise.
 #pragma once
 
 #include <cuda.h>
@@ -41,13 +47,13 @@
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm90/hopper_primitives.cuh"
+#include "cuda/sm90/pipeline_state.cuh"
 #include "cuda/sm90/wgmma_ops.cuh"
 
 namespace flashattn {
 
-// kOverlap: S_{j+1} and its softmax run under P_j V_j (v2). It keeps two key
-// blocks in use at once, so it needs a third stage to keep the copies ahead;
-// where three stages don't fit (W = 256), the products run one after the other (v1).
+// kOverlap: S_{j+1} and its softmax run under P_j V_j (v2); without it (W = 256 with
+// dropout, for registers) the products run one after the other (v1).
 template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_ = 2, bool kOverlap_ = true>
 struct Sm90ForwardShape {
   static constexpr bool kOverlap = kOverlap_;
@@ -62,7 +68,7 @@ struct Sm90ForwardShape {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kTileBytes = kQBytes + kStages * 2 * kKVBytes;
-  static constexpr int kBarriers = 1 + 3 * kStages;  // Q full; per stage K full, V full, empty
+  static constexpr int kBarriers = 1 + 4 * kStages;  // Q full; per stage K full, V full, K empty, V empty
   // + slack to align the tiles to a swizzle atom.
   static constexpr int kSmemBytes = sm90::kSwizzleAtomBytes + kTileBytes + 8 * kBarriers;
   // setmaxnreg budgets: kBlocksPerSM * 128 * (kProducerRegisters + kConsumerWarpgroups *
@@ -106,7 +112,8 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
   const uint32_t q_full = barriers;
   const auto k_full = [&](int stage) { return barriers + 8 * (1 + stage); };
   const auto v_full = [&](int stage) { return barriers + 8 * (1 + kStages + stage); };
-  const auto kv_empty = [&](int stage) { return barriers + 8 * (1 + 2 * kStages + stage); };
+  const auto k_empty = [&](int stage) { return barriers + 8 * (1 + 2 * kStages + stage); };
+  const auto v_empty = [&](int stage) { return barriers + 8 * (1 + 3 * kStages + stage); };
 
   const ForwardBlock blk(params, kBlockM, kBlockN, kDense);
   if (blk.empty) return;
@@ -119,7 +126,8 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     for (int st = 0; st < kStages; ++st) {
       sm90::mbarrier_init(k_full(st), 1);
       sm90::mbarrier_init(v_full(st), 1);
-      sm90::mbarrier_init(kv_empty(st), Shape::kConsumerWarps);
+      sm90::mbarrier_init(k_empty(st), Shape::kConsumerWarps);
+      sm90::mbarrier_init(v_empty(st), Shape::kConsumerWarps);
     }
     sm90::mbarrier_init_fence();
   }
@@ -136,16 +144,22 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       sm90::tma_load_tile<kColumnBlocks>(q_smem, &args.q_map, q_full, kBlockM, seq.q_offset + blk.m_begin, blk.head,
                                          SequenceInfo::q_map_batch(params, blk.batch));
       const int k_batch = SequenceInfo::k_map_batch(params, blk.batch);
+      // K of block it + 1 before V of block it: S_{it+1} is issued before P_it V_it. A stage of K
+      // is freed once its S has completed, one of V once its P V has, so K runs ahead of V.
+      sm90::PipelineState<kStages> k_write, v_write;
+      const auto load = [&](sm90::PipelineState<kStages>& write, uint32_t tile, uint32_t full, uint32_t empty,
+                            const CUtensorMap* map, int it) {
+        if (it >= kStages) sm90::mbarrier_wait(empty, write.phase ^ 1);
+        sm90::mbarrier_arrive_expect_bytes(full, Shape::kKVBytes);
+        sm90::tma_load_tile<kColumnBlocks>(tile, map, full, kBlockN, seq.k_offset + (blk.n_block_last - it) * kBlockN,
+                                           blk.kv_head, k_batch);
+        write.advance();
+      };
+      load(k_write, k_smem(0), k_full(0), k_empty(0), &args.k_map, 0);
       for (int it = 0; it < num_blocks; ++it) {
-        const int stage = it % kStages;
-        if (it >= kStages) sm90::mbarrier_wait(kv_empty(stage), ((it / kStages) + 1) & 1);
-        const int n0 = seq.k_offset + (blk.n_block_last - it) * kBlockN;
-        sm90::mbarrier_arrive_expect_bytes(k_full(stage), Shape::kKVBytes);
-        sm90::tma_load_tile<kColumnBlocks>(k_smem(stage), &args.k_map, k_full(stage), kBlockN, n0,
-                                           blk.kv_head, k_batch);
-        sm90::mbarrier_arrive_expect_bytes(v_full(stage), Shape::kKVBytes);
-        sm90::tma_load_tile<kColumnBlocks>(v_smem(stage), &args.v_map, v_full(stage), kBlockN, n0,
-                                           blk.kv_head, k_batch);
+        if (it + 1 < num_blocks)
+          load(k_write, k_smem(k_write.index), k_full(k_write.index), k_empty(k_write.index), &args.k_map, it + 1);
+        load(v_write, v_smem(v_write.index), v_full(v_write.index), v_empty(v_write.index), &args.v_map, it);
       }
     }
   } else {
@@ -171,10 +185,18 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     // Q rows of this warpgroup and K rows are K-major operands, V the MN-major B of P V.
     const uint32_t q_wg = q_smem + consumer * 64 * sm90::kSwizzleBytes;
 
-    // S = Q K^T of key block `it` into acc_s, issued and committed (not waited for).
-    const auto issue_scores = [&](float (&acc_s)[kBlockN / 2], int it) {
-      const int stage = it % kStages;
-      sm90::mbarrier_wait(k_full(stage), (it / kStages) & 1);
+    // Where this warpgroup reads the K ring (S runs a block ahead of P V) and the V ring.
+    sm90::PipelineState<kStages> k_read, v_read;
+    // Hands the stage `read` is at back to the producer (its products have completed).
+    const auto release = [&](sm90::PipelineState<kStages>& read, const auto& empty) {
+      __syncwarp();
+      if (lane == 0) sm90::mbarrier_arrive(empty(read.index));
+      read.advance();
+    };
+    // S = Q K^T of the next key block into acc_s, issued and committed (not waited for).
+    const auto issue_scores = [&](float (&acc_s)[kBlockN / 2]) {
+      const int stage = k_read.index;
+      sm90::mbarrier_wait(k_full(stage), k_read.phase);
       sm90::wgmma_fence();
   #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
@@ -213,9 +235,10 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       sm90::mbarrier_wait(q_full, 0);
       float acc_s[1][kNTiles][4];
       auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-      issue_scores(acc_s_flat, 0);
+      issue_scores(acc_s_flat);
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_s_flat);
+      release(k_read, k_empty);
       softmax_block(acc_s, corrections, 0);
       pack_p(acc_s, p);
       // Keys past the sequence's end have P = 0, but the rows of V the copy brought for
@@ -230,12 +253,12 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
         sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerWarpgroups * 128);
       }
     }
-    // O = O * correction + P_it V_it, issued and committed; the stage is handed
+    // O = O * correction + P V of the next V block, issued and committed; the stage is handed
     // back to the producer once it has completed.
-    const auto issue_pv = [&](int it) {
-      const int stage = it % kStages;
+    const auto issue_pv = [&]() {
+      const int stage = v_read.index;
       rescale_output(acc_o, corrections);
-      sm90::mbarrier_wait(v_full(stage), (it / kStages) & 1);
+      sm90::mbarrier_wait(v_full(stage), v_read.phase);
       sm90::fence_registers(acc_o_flat);
       sm90::wgmma_fence();
   #pragma unroll
@@ -245,10 +268,6 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
             sm90::mn_major_descriptor(v_smem(stage) + kk * 16 * sm90::kSwizzleBytes, kBlockN));
       sm90::wgmma_commit();
     };
-    const auto release_stage = [&](int it) {
-      __syncwarp();
-      if (lane == 0) sm90::mbarrier_arrive(kv_empty(it % kStages));
-    };
 
     // The last block is peeled off so that every iteration of the loop has the
     // same two products in flight (with the branch inside, ptxas could not tell
@@ -257,33 +276,35 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       float acc_s[1][kNTiles][4];
       auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
       if constexpr (Shape::kOverlap) {
-        issue_scores(acc_s_flat, it + 1);
-        issue_pv(it);
+        issue_scores(acc_s_flat);
+        issue_pv();
         sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
         sm90::fence_registers(acc_s_flat);
+        release(k_read, k_empty);
         // P_it must stay untouched until P_it V_it completes (wgmma reads its A
         // registers asynchronously): block it+1's P waits in acc_s, packed after.
         softmax_block(acc_s, corrections, it + 1);
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_o_flat);
-        release_stage(it);
+        release(v_read, v_empty);
       } else {
-        issue_pv(it);
+        issue_pv();
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_o_flat);
-        release_stage(it);
-        issue_scores(acc_s_flat, it + 1);
+        release(v_read, v_empty);
+        issue_scores(acc_s_flat);
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_s_flat);
+        release(k_read, k_empty);
         softmax_block(acc_s, corrections, it + 1);
       }
       pack_p(acc_s, p);
     }
     if (num_blocks > 0) {
-      issue_pv(num_blocks - 1);
+      issue_pv();
       sm90::wgmma_wait<0>();
       sm90::fence_registers(acc_o_flat);
-      release_stage(num_blocks - 1);
+      release(v_read, v_empty);
     }
 
     shift_rows_for_bias_frame(row_max, Transform(params, blk.batch, blk.head), blk.mask, blk.m_begin + warp_row, lane,

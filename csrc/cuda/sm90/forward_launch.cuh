@@ -5,41 +5,45 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "cuda/sm90/forward_kernel.cuh"
 #include "cuda/common/kernel_launch.cuh"
 #include "cuda/sm90/tma_tile_map.cuh"
 
 namespace flashattn {
 
-// The Hopper tile plan per head-dim tile width W (void: none, the mma.sync kernel runs).
-// What bounds it:
+// The Hopper tile plan per head-dim tile width W and score-mod variant (void: none, the
+// mma.sync kernel runs). What bounds it:
 //  - registers: a consumer thread holds O (W / 2 floats), S (kBlockN / 2) and P
 //    (kBlockN / 4 words) within the 240 registers setmaxnreg gives it;
 //  - shared memory: Q (kBlockM x W) + kStages x (K + V) (kBlockN x W), within the
-//    227 KB of an sm_90 block. The overlapped pipeline needs 3 stages (two key
-//    blocks are in use at once): W = 64 and 128 fit them with kBlockN = 128
-//    (105 / 225 KB); W = 256 fits 2 stages of kBlockN = 64 (193 KB) and runs the
-//    products in sequence, which beat 3 stages of kBlockN = 32 there (618 against
-//    541 TFLOP/s at N 8192 on the H200; benchmarks/RESULTS.md has the sweep).
+//    227 KB of an sm_90 block. The overlapped pipeline holds two key blocks of K
+//    and one of V at once; with K and V in separate rings K runs a block ahead, so
+//    two stages keep the copies ahead at W = 256 (kBlockN = 80: 225 KB), where W = 64
+//    and 128 measured best with three (kBlockN = 128: 105 / 225 KB).
 //  - blocks per SM: W = 64 runs one consumer warpgroup (kBlockM = 64), so two blocks
 //    (105 KB, 32K registers each) share an SM and one's loads and epilogue hide under
 //    the other's products: +12 % at N 1024 causal, +8 % at N 1024, -1 % at N 8192
 //    against two warpgroups of one block. W = 128 has no room for a second block.
-template <int W>
+//  - dropout at W = 256: its draws beside S of the next block spill (8-80 bytes), so those
+//    variants run the products in sequence over 64-key blocks.
+template <int W, ScoreMod kMod>
 struct Sm90ForwardPlan {
   using Shape = void;
 };
-template <>
-struct Sm90ForwardPlan<64> {
+template <ScoreMod kMod>
+struct Sm90ForwardPlan<64, kMod> {
   using Shape = Sm90ForwardShape<64, 128, 1, 3>;
 };
-template <>
-struct Sm90ForwardPlan<128> {
+template <ScoreMod kMod>
+struct Sm90ForwardPlan<128, kMod> {
   using Shape = Sm90ForwardShape<128, 128, 2, 3>;
 };
-template <>
-struct Sm90ForwardPlan<256> {
-  using Shape = Sm90ForwardShape<256, 64, 2, 2, /*kOverlap=*/false>;
+template <ScoreMod kMod>
+struct Sm90ForwardPlan<256, kMod> {
+  using Shape = std::conditional_t<has_dropout(kMod), Sm90ForwardShape<256, 64, 2, 2, /*kOverlap=*/false>,
+                                   Sm90ForwardShape<256, 80, 2, 2>>;
 };
 
 // Launches the Hopper kernel, or sets *launched = false (and launches nothing)

@@ -2,8 +2,8 @@
 // index and the parity of its mbarriers' current phase, advanced together. Carried as
 // state rather than recomputed from a loop counter, so that a kernel that works through
 // several tiles (a persistent grid) can continue the ring where the last tile left it.
-// The Hopper backward carries its Q/dO ring so; the forward's K/V ring does not yet (the
-// persistent forward that did is in git history, commit 0a6e4a4: benchmarks/RESULTS.md).
+// The Hopper backward carries its Q/dO ring so, the forward its K and V rings (S runs a
+// block ahead of P V, so the consumers hold one state per ring).
 #pragma once
 
 #include <cstdint>
