@@ -107,12 +107,12 @@ def time_mode(impl, mode, shape, device, dtype, gen, tcfg):
                           sets, device, tcfg)
 
 
-def run_check(shape, device, dtype, gen, check_heads, need_backward):
+def run_check(shape, device, dtype, gen, check_heads, need_backward, peers=()):
     t = bc.make_attention_inputs("bshd", shape.batch, shape.seqlen, shape.seqlen, shape.nheads,
                                  shape.nheads_kv, shape.head_dim, dtype, device, gen, with_dout=False)
     result = bc.check_ours_against_sdpa(t["q"], t["k"], t["v"], shape.causal, shape.scale,
                                         check_backward=need_backward, heads=check_heads,
-                                        generator=gen)
+                                        generator=gen, peers=peers)
     del t
     bc.free_memory(device)
     return result
@@ -233,6 +233,7 @@ def main(argv=None):
     shapes = build_shapes(args)
     rows, checks = [], []
     need_backward = any(m != "fwd" for m in args.modes)
+    checked_peers = [i for i in impls if not i.is_flashattn_ext]
 
     def save(final=False, **extra):
         doc = bc.result_document("attention_speed", args, device, rows, checks=checks,
@@ -250,17 +251,20 @@ def main(argv=None):
             continue
         # A broken kernel must not post a speed: check ours first, once per shape.
         try:
-            check = run_check(shape, device, dtype, gen, args.check_heads, need_backward)
+            check = run_check(shape, device, dtype, gen, args.check_heads, need_backward, checked_peers)
             ours_status = bc.STATUS_OK if check.passed else bc.STATUS_WRONG
             ours_reason = "" if check.passed else check.detail
             checks.append(dict(base, passed=check.passed, max_abs_diff_vs_sdpa=check.max_abs_diff_vs_sdpa,
                                ours_err_vs_fp32=check.ours_err_vs_fp32,
-                               sdpa_err_vs_fp32=check.sdpa_err_vs_fp32))
+                               sdpa_err_vs_fp32=check.sdpa_err_vs_fp32,
+                               peer_err_vs_fp32=check.peer_err_vs_fp32, peer_passed=check.peer_passed))
+            wrong_peers = {name for name, ok in check.peer_passed.items() if not ok}
             print(f"check d={shape.head_dim} N={shape.seqlen} causal={shape.causal}: ours max|diff| "
                   f"vs SDPA {check.max_abs_diff_vs_sdpa:.2e} ({check.detail}) "
                   f"{'ok' if check.passed else 'FAILED'}", flush=True)
         except bc.RUN_FAILURES as exc:
             ours_status, ours_reason = bc.classify_failure(exc)
+            wrong_peers = set()
             checks.append(dict(base, passed=None, status=ours_status, error=ours_reason))
             print(f"check d={shape.head_dim} N={shape.seqlen} causal={shape.causal}: ours could not "
                   f"run: {ours_reason}", flush=True)
@@ -271,6 +275,8 @@ def main(argv=None):
                            time_ms=None, tflops=None)
                 if impl.is_ours and ours_status != bc.STATUS_OK:
                     row.update(status=ours_status, reason=ours_reason)
+                elif impl.name in wrong_peers:
+                    row.update(status=bc.STATUS_WRONG, reason="forward output failed the check against fp32")
                 else:
                     try:
                         timing = time_mode(impl, mode, shape, device, dtype, gen, tcfg)

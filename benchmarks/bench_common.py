@@ -630,6 +630,10 @@ class CheckResult:
     ours_err_vs_fp32: dict[str, float]
     sdpa_err_vs_fp32: dict[str, float]
     detail: str
+    # Per peer (the impls given as `peers`): its forward's error against the fp32 reference,
+    # or the failure it raised, and whether it passed the same criterion as ours.
+    peer_err_vs_fp32: dict[str, float] = dataclasses.field(default_factory=dict)
+    peer_passed: dict[str, bool] = dataclasses.field(default_factory=dict)
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -637,14 +641,15 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_ours_against_sdpa(q, k, v, causal: bool, scale: float, *, check_backward: bool,
-                            heads: int = 2, generator=None) -> CheckResult:
+                            heads: int = 2, generator=None, peers: Sequence["AttentionImpl"] = ()) -> CheckResult:
     """Runs ours once on the full inputs (layout bshd) and compares with SDPA's default
     dispatch on the same values, and both with a float32 reference on the first `heads`
     heads of batch 0 (heads are independent, so a slice of the full run is exact).
 
     Passes when ours' error against fp32 is at most 3x SDPA's plus a small floor
     (flash-attn's own test criterion, with margin): a broken kernel is off by O(1) of the
-    output scale and fails by orders of magnitude.
+    output scale and fails by orders of magnitude. Each of `peers` runs its forward on the same
+    values and is held to the same criterion on `out` (a peer that fails it is not timed).
     """
     group = q.shape[2] // k.shape[2]
     heads = max(1, min(heads, k.shape[2])) * group   # whole GQA groups
@@ -685,11 +690,30 @@ def check_ours_against_sdpa(q, k, v, causal: bool, scale: float, *, check_backwa
             sdpa_err[name] = _max_abs(theirs[:1, :, :nh].transpose(1, 2), truth)
             scale_of[name] = truth.abs().max().item()
 
-    bad = [n for n in ours_err
-           if not ours_err[n] <= 3.0 * sdpa_err[n] + 1e-3 * max(scale_of[n], 1e-6)]
+    def within(err, name):
+        return err <= 3.0 * sdpa_err[name] + 1e-3 * max(scale_of[name], 1e-6)
+
+    peer_err, peer_passed = {}, {}
+    for peer in peers:
+        inputs = (qs, ks, vs) if peer.layout == "bshd" else (qb.contiguous(), kb.contiguous(), vb.contiguous())
+        try:
+            with torch.no_grad(), peer.context(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                peer_out = peer.forward(*inputs, causal, scale)
+        except RUN_FAILURES:
+            continue  # its timing meets the same failure and reports it
+        if peer.layout != "bshd":
+            peer_out = peer_out.transpose(1, 2)
+        peer_err[peer.name] = _max_abs(peer_out[:1, :, :heads].transpose(1, 2), ref)
+        peer_passed[peer.name] = within(peer_err[peer.name], "out")
+        del peer_out
+
+    bad = [n for n in ours_err if not within(ours_err[n], n)]
     detail = ", ".join(f"{n}: ours {ours_err[n]:.2e} sdpa {sdpa_err[n]:.2e}" for n in ours_err)
+    detail += "".join(f", {name} out {err:.2e}{'' if peer_passed[name] else ' WRONG'}"
+                      for name, err in peer_err.items())
     return CheckResult(not bad, diff_vs_sdpa, ours_err, sdpa_err,
-                       ("FAILED on " + ",".join(bad) + "; " if bad else "") + detail)
+                       ("FAILED on " + ",".join(bad) + "; " if bad else "") + detail, peer_err, peer_passed)
 
 
 def ours_exit_code(rows: Sequence[dict[str, Any]], checks: Sequence[dict[str, Any]] = ()) -> int:

@@ -48,6 +48,26 @@ def test_bench_attention_gqa_cpu_dry_run(tmp_path):
     assert {(r["nheads"], r["nheads_kv"]) for r in rows} == {("4", "2")}
     assert {r["status"] for r in rows} == {"ok"}, rows
     assert "causal=True: ours max|diff| vs SDPA" in output and "ok" in output
+    assert "sdpa_math out" in output          # the peer's own output was checked too
+
+
+def test_bench_check_marks_a_wrong_peer(tmp_path):
+    # A peer whose forward is off is marked as failing the check, one that is right passes.
+    script = (
+        f"import sys, torch, flashattn_ext; sys.path.insert(0, {str(REPO_ROOT / 'benchmarks')!r})\n"
+        "import bench_common as bc\n"
+        "gen = torch.Generator().manual_seed(0)\n"
+        "q, k, v = (torch.randn(1, 64, 2, 32, generator=gen).bfloat16() for _ in range(3))\n"
+        "right = bc.build_impls(['sdpa_math'])[0]\n"
+        "wrong = bc.AttentionImpl('off_by_v', 'bshd', 'out + 0.5', "
+        "lambda q, k, v, c, s: bc._sdpa_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), c, s)"
+        ".transpose(1, 2) + 0.5)\n"
+        "r = bc.check_ours_against_sdpa(q, k, v, False, 32 ** -0.5, check_backward=False, peers=[right, wrong])\n"
+        "print(r.passed, r.peer_passed)\n")
+    # cwd: the installed package, not the source tree (no built library there).
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "True {'sdpa_math': True, 'off_by_v': False}", proc.stdout
 
 
 def test_bench_e2e_packed_cpu_dry_run(tmp_path):
