@@ -311,7 +311,7 @@ void check_case(int head_dim, int seqlen_q, int seqlen_k, int group, int window_
   }
 
   // The dispatch takes the Hopper kernel only where TMA can map every input; say so if not.
-  using Shape = typename Sm90BackwardPlan<W>::Shape;
+  using Shape = typename Sm90BackwardPlan<W, ScoreMod::kNone>::Shape;
   Sm90BackwardArgs args;
   const bool sm90_path = make_backward_sm90_args<bf16, Shape>(p, &args) && Shape::kSmemBytes <= hopper.max_smem_per_block;
 

@@ -25,7 +25,7 @@ cudaError_t launch_attention_backward(const AttentionBwdParams& params, const De
   // tiles (split by keys); the others stay on the sm_80 kernel's semaphores. Nor does it zero the
   // rows its tile copies bring from past a sequence's end (the forward does, for V): with seqused
   // those rows may hold anything, and the sm_80 kernel's copies zero-fill them.
-  using HopperShape = typename Sm90BackwardPlan<kHeadDimTile>::Shape;
+  using HopperShape = typename Sm90BackwardPlan<kHeadDimTile, kMod>::Shape;
   if constexpr (!std::is_void_v<HopperShape>) {
     const bool rows_past_end_unused = params.seqused_q != nullptr || params.seqused_k != nullptr;
     const bool dq_order_supported = !params.deterministic || HopperShape::kDqThroughSharedMemory;

@@ -10,8 +10,8 @@
 // Two ways to split the work between the consumer warpgroups (Sm90BackwardShape::kSplitHeadDim):
 //
 // By keys (W <= 128): kBlockN = 128, each warpgroup owns 64 keys and all W head-dim columns of
-// their dK, dV. Per query block of kBlockM = 64 queries, each warpgroup:
-//   Sᵀ  = K Qᵀ,  dPᵀ = V dOᵀ                  (wgmma SS, M = its 64 keys, N = 64 queries, K = head
+// their dK, dV. Per query block of kBlockM queries (64; 128 at W = 64), each warpgroup:
+//   Sᵀ  = K Qᵀ,  dPᵀ = V dOᵀ                  (wgmma SS, M = its 64 keys, N = kBlockM, K = head
 //                                              dim; both from shared memory K-major, issued together)
 //   Pᵀ  = exp2(logit(Sᵀ) − lse2),  dSᵀ = Pᵀ ∘ (dPᵀ − D)           (on the accumulators;
 //                                              logit: score_transform.cuh; with softcap
@@ -20,8 +20,10 @@
 //                                              accumulator layout being the A fragment; dO, Q
 //                                              MN-major from shared memory)
 //   dSᵀ → shared memory, then, after both warpgroups wrote theirs (named barrier):
-//   dQ[:, half] = dS K[:, half]               (wgmma SS, M = queries, N = W / 2, K = all
-//                                              kBlockN keys, A = dSᵀ and B = K both MN-major)
+//   dQ[:, half] = dS K[:, half]               (wgmma SS, M = 64 queries, N = W / 2, K = all
+//                                              kBlockN keys, A = dSᵀ and B = K both MN-major;
+//                                              with 128 queries warpgroup c takes queries
+//                                              64c.. and all W columns: dQ[rows c] = dS[rows c] K)
 //   dQ → shared memory (fp32, dq_accum's 8 x 8 tiles), then dQ_accum += dQ by one bulk reduction
 //                                             (cp.reduce.async.bulk .add.f32) that a warp of the
 //                                             producer warpgroup issues, the dQ writer
@@ -63,13 +65,15 @@
 //
 // Tiles (Sm90BackwardShape, chosen in sm90/backward_launch.cuh). What bounds them:
 //  - registers (240 per consumer thread after setmaxnreg): by keys, dK + dV take W (128 at
-//    W = 128), Sᵀ and dPᵀ 64, then Pᵀ, dSᵀ as A fragments 32 and dQ W / 4; by head dims,
-//    dK + dV take 128, Sᵀ and dPᵀ 32, dQ 64.
-//  - wgmma: M = 64 rows per warpgroup fixes 64 keys per warpgroup product; kBlockM = 64 is one
-//    128-byte swizzle row of a score tile (the MN-major A of dQ).
+//    W = 128), Sᵀ and dPᵀ kBlockM, then Pᵀ, dSᵀ as A fragments kBlockM / 2 and dQ 32; by head
+//    dims, dK + dV take 128, Sᵀ and dPᵀ 32, dQ 64. 128 queries fit at W = 64 only (FA3's d 64
+//    tile: each iteration does twice the products for the same barriers, waits and dQ add).
+//  - wgmma: M = 64 rows per warpgroup fixes 64 keys per warpgroup product; a score tile is column
+//    blocks of 64 queries (one 128-byte swizzle row per key), one of which is the MN-major A of
+//    a warpgroup's dQ.
 //  - shared memory: K, V (kBlockN x W) + kStages x (Q, dO) (kBlockM x W) + 2 buffers of the score
 //    tiles (dSᵀ; and Pᵀ when split by head dims; kBlockN x kBlockM each) + by keys the fp32 dQ
-//    tile (kBlockM x W): 114 KB at W = 64, 192 KB at W = 128, 224 KB at W = 256 (two stages),
+//    tile (kBlockM x W): 194 KB at W = 64, 192 KB at W = 128, 224 KB at W = 256 (two stages),
 //    within the 227 KB of sm_90.
 //
 // Deterministic dQ (by keys only): the dQ writer waits for its key block's turn on a semaphore per
@@ -88,9 +92,12 @@
 //   v3  dq_accum in 8 x 8 tiles; by keys, dQ through shared memory and one bulk add per block
 //       by the dQ writer warp (d 128 N 8192: 392 -> 508 TFLOP/s; W = 256's atomics, now two
 //       cache lines per warp instead of eight: 275 -> 358).
+//   v4  W = 64: 128 queries per iteration, dQ split by query rows.
 #pragma once
 
 #include <cuda.h>
+
+#include <type_traits>
 
 #include "common/attention_mask.h"
 #include "common/attention_params.h"
@@ -106,18 +113,21 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, bool kSplitHeadDim_, int kStages_ = 2>
+template <int kHeadDim_, bool kSplitHeadDim_, int kStages_ = 2, int kBlockM_ = 64>
 struct Sm90BackwardShape {
   static constexpr int kHeadDim = kHeadDim_;  // the head-dim tile W
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
   static constexpr int kStages = kStages_;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 128;
-  static constexpr int kBlockM = 64;
+  static constexpr int kBlockM = kBlockM_;
   static constexpr int kKeysPerWarpgroup = 64;                                       // M of Sᵀ, dV, dK
   static constexpr int kQueriesPerWarpgroup = kSplitHeadDim ? kBlockM / 2 : kBlockM;  // N of Sᵀ, dPᵀ
   static constexpr int kAccColumns = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;       // dK, dV columns
-  static constexpr int kDqColumns = kHeadDim / kConsumerWarpgroups;                 // dQ columns
+  // dQ split between the warpgroups by head-dim halves, or with 128 queries by query rows
+  // (warpgroup c: queries 64c.., all W columns; FA3's d 64 tile).
+  static constexpr bool kDqSplitByRows = !kSplitHeadDim && kBlockM == 64 * kConsumerWarpgroups;
+  static constexpr int kDqColumns = kDqSplitByRows ? kHeadDim : kHeadDim / kConsumerWarpgroups;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
@@ -151,7 +161,8 @@ struct Sm90BackwardShape {
       sm90::consumer_registers(kProducerRegisters, kConsumerWarpgroups, /*blocks_per_sm=*/1);
   static_assert(kHeadDim % sm90::kSwizzleElements == 0, "head-dim tile is whole 64-column blocks");
   static_assert(kAccColumns % sm90::kSwizzleElements == 0, "a warpgroup's dK, dV columns are whole column blocks");
-  static_assert(kBlockM == sm90::kSwizzleElements, "a score-tile row is one swizzle row (the MN-major A of dQ)");
+  static_assert(kBlockM == sm90::kSwizzleElements || kDqSplitByRows,
+                "a warpgroup's dQ reads one column block of 64 queries of the score tile (the MN-major A)");
   static_assert(kBlockN == kKeysPerWarpgroup * (kSplitHeadDim ? 1 : kConsumerWarpgroups), "key ownership");
   static_assert(kBackwardQueryRowRounding % kBlockM == 0, "lse2 / D reads of a block stay in the workspace");
   static_assert(2 * kBlockM <= kConsumerThreads, "one consumer thread per lse2 or D value");
@@ -170,22 +181,29 @@ struct Sm90BackwardArgs {
 
 namespace backward {
 
+// The lse2 or D pair of this lane's query columns 8j + 2t, 8j + 2t + 1, read where it is used
+// (held for all columns, they took 32 registers per row statistic at 128 queries).
+__device__ __forceinline__ float2 row_stat_pair(const float* row_stats, int j, int t) {
+  return *reinterpret_cast<const float2*>(row_stats + 8 * j + 2 * t);
+}
+
 // Pᵀ in place of Sᵀ (this warp's 16 keys x kColumns queries, the m16n8 accumulator layout:
-// element 4j + e is key row g + 8 (e / 2), query 8j + 2t + e % 2, with lse2[j] the pair of
-// those two queries). kMasked: the tile is cut by the mask or the end of the keys; keys past
+// element 4j + e is key row g + 8 (e / 2), query 8j + 2t + e % 2; lse2_row: the lse2 of the
+// warpgroup's queries in shared memory). kMasked: the tile is cut by the mask or the end of the keys; keys past
 // seqlen_k have an empty visible range. key_distance[half]: the ALiBi distance (query + seqlen_k
 // - seqlen_q - key) of query0 + 2t from the lane's key of that half. With softcap, the
 // derivative 1 - t^2 of each pair waits for dS at tanh_derivative(j, half), this lane's own
 // slot of the score tile dS goes to (registers are what the kernel lacks: 36 bytes of spills
 // at W = 128).
 template <bool kMasked, int kColumns, typename Transform, typename DerivativeSlot>
-__device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2], const float2 (&lse2)[kColumns / 8],
+__device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2], const float* lse2_row,
                                                         const Transform& transform, const float (&key_distance)[2],
                                                         const DerivativeSlot& tanh_derivative, int query0,
                                                         const int (&visible_begin)[2], const int (&visible_end)[2],
                                                         int t) {
 #pragma unroll
   for (int j = 0; j < kColumns / 8; ++j) {
+    const float2 lse2 = row_stat_pair(lse2_row, j, t);
     if constexpr (Transform::kSoftcap) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[4 * j + e] = transform.capped(s[4 * j + e]);
@@ -197,7 +215,7 @@ __device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2]
     for (int e = 0; e < 4; ++e) {
       const float distance = key_distance[e >> 1] + float(8 * j + (e & 1));
       // lse2 = +inf (a query that sees no key, or past seqlen_q) gives exp2(-inf) = 0.
-      const float x = fast_exp2(transform.logit_of(s[4 * j + e], distance, -((e & 1) ? lse2[j].y : lse2[j].x)));
+      const float x = fast_exp2(transform.logit_of(s[4 * j + e], distance, -((e & 1) ? lse2.y : lse2.x)));
       if constexpr (kMasked) {
         const int query = query0 + 8 * j + 2 * t + (e & 1);
         s[4 * j + e] = query >= visible_begin[e >> 1] && query < visible_end[e >> 1] ? x : 0.f;
@@ -208,31 +226,27 @@ __device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2]
   }
 }
 
-// The lse2 or D pairs of this lane's query columns 8j + 2t, 8j + 2t + 1.
-template <int kColumns>
-__device__ __forceinline__ void load_row_stats(float2 (&dst)[kColumns / 8], const float* row_stats, int t) {
-#pragma unroll
-  for (int j = 0; j < kColumns / 8; ++j) dst[j] = *reinterpret_cast<const float2*>(row_stats + 8 * j + 2 * t);
-}
-
-// This lane's pair (j, half) of a warp's 16 key rows x queries in a swizzled score tile (key rows
-// of 64 queries: one 128-byte row each), from query column 8 * chunk0: the 16-byte chunk c of
-// row r sits at chunk c ^ (r % 8), and r % 8 = g for both of this lane's rows.
+// This lane's pair (j, half) of a warp's 16 key rows x queries in a swizzled score tile: column
+// blocks of 64 queries, each kKeyRows rows of 128 bytes. From query column 8 * chunk0, the
+// 16-byte chunk c of row r sits in column block c / 8 at chunk (c % 8) ^ (r % 8), and r % 8 = g
+// for both of this lane's rows.
+template <int kKeyRows>
 __device__ __forceinline__ uint32_t* score_tile_pair(unsigned char* tile, int key_row0, int chunk0, int j, int half,
                                                      int g, int t) {
-  const int row = key_row0 + g + 8 * half;
-  return reinterpret_cast<uint32_t*>(tile + row * sm90::kSwizzleBytes + (((chunk0 + j) ^ g) * 16) + 4 * t);
+  const int row = key_row0 + g + 8 * half, chunk = chunk0 + j;
+  return reinterpret_cast<uint32_t*>(tile + ((chunk / 8) * kKeyRows + row) * sm90::kSwizzleBytes +
+                                     (((chunk % 8) ^ g) * 16) + 4 * t);
 }
 
 // A warp's 16 key rows x kColumns queries of accumulator values into a swizzled score tile.
-template <typename Element, int kColumns>
+template <typename Element, int kColumns, int kKeyRows>
 __device__ __forceinline__ void store_score_tile(unsigned char* tile, const float (&v)[kColumns / 2], int key_row0,
                                                  int chunk0, int g, int t) {
 #pragma unroll
   for (int j = 0; j < kColumns / 8; ++j)
 #pragma unroll
     for (int half = 0; half < 2; ++half)
-      *score_tile_pair(tile, key_row0, chunk0, j, half, g, t) =
+      *score_tile_pair<kKeyRows>(tile, key_row0, chunk0, j, half, g, t) =
           MmaElement<Element>::pack(v[4 * j + 2 * half], v[4 * j + 2 * half + 1]);
 }
 
@@ -381,7 +395,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const uint32_t v_rows = v_smem + wg_key0 * sm90::kSwizzleBytes;
   const uint32_t query_rows = wg_query0 * sm90::kSwizzleBytes;
   const uint32_t acc_cols = (acc_col0 / sm90::kSwizzleElements) * BM * sm90::kSwizzleBytes;
-  const int dq_col0 = consumer * Shape::kDqColumns;
+  // This warpgroup's dQ: its query rows and head-dim columns.
+  const int dq_query0 = Shape::kDqSplitByRows ? consumer * 64 : 0;
+  const int dq_col0 = Shape::kDqSplitByRows ? 0 : consumer * Shape::kDqColumns;
   const uint32_t k_dq_cols = k_smem + (dq_col0 / sm90::kSwizzleElements) * BN * sm90::kSwizzleBytes +
                              (dq_col0 % sm90::kSwizzleElements) * 2;
   using sm90::k_major_descriptor;
@@ -428,20 +444,27 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     // Dropout's draws run under the two products; dS takes the undropped Pᵀ, dV the dropped
     // one (its 1 / (1 - p) applied at the end).
-    uint32_t keep_bits = 0;
-    if constexpr (has_dropout(kMod))
-      keep_bits = DropoutMask(p, b, h).transposed_keep_bits<NQ>((n0 + key_row0) / 16, m0 + wg_query0, lane);
+    using KeepBits = std::conditional_t<(NQ > 64), uint64_t, uint32_t>;
+    KeepBits keep_bits = 0;
+    if constexpr (has_dropout(kMod)) {
+      constexpr int kDrawColumns = NQ < 64 ? NQ : 64;  // one call's 32 bits
+#pragma unroll
+      for (int part = 0; part < NQ / kDrawColumns; ++part)
+        keep_bits |= KeepBits(DropoutMask(p, b, h).transposed_keep_bits<kDrawColumns>(
+                         (n0 + key_row0) / 16, m0 + wg_query0 + part * kDrawColumns, lane))
+                     << (32 * part);
+    }
 
     sm90::wgmma_wait<1>();
     sm90::fence_registers(s);
-    float2 lse2[NQ / 8], dsum[NQ / 8];
-    backward::load_row_stats<NQ>(lse2, row_stat_buffers + buf * BM + wg_query0, t);
+    const float* const lse2_row = row_stat_buffers + buf * BM + wg_query0;
+    const float* const dsum_row = row_stat_buffers + (2 + buf) * BM + wg_query0;
     const int wg_key_begin = n0 + wg_key0, wg_query_begin = m0 + wg_query0;
     const ScoreTransform<kMod> transform(p, b, h);
     float key_distance[2];
     // The dS tile of this iteration's buffer, free since the previous iteration's barrier.
     const auto tanh_derivative = [&](int j, int half) {
-      return backward::score_tile_pair(base_ptr + score_offset(buf, 0), key_row0, wg_query0 / 8, j, half, g, t);
+      return backward::score_tile_pair<BN>(base_ptr + score_offset(buf, 0), key_row0, wg_query0 / 8, j, half, g, t);
     };
     if constexpr (ScoreTransform<kMod>::kUsesDistance) {
 #pragma unroll
@@ -450,28 +473,29 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     }
     if (mask.tile_fully_visible(wg_query_begin, min(wg_query_begin + NQ, seq.seqlen_q), wg_key_begin,
                                 wg_key_begin + Shape::kKeysPerWarpgroup))
-      backward::scores_to_probabilities<false, NQ>(s, lse2, transform, key_distance, tanh_derivative,
+      backward::scores_to_probabilities<false, NQ>(s, lse2_row, transform, key_distance, tanh_derivative,
                                                    wg_query_begin, visible_begin, visible_end, t);
     else
-      backward::scores_to_probabilities<true, NQ>(s, lse2, transform, key_distance, tanh_derivative,
+      backward::scores_to_probabilities<true, NQ>(s, lse2_row, transform, key_distance, tanh_derivative,
                                                   wg_query_begin, visible_begin, visible_end, t);
 
     sm90::wgmma_wait<0>();
     sm90::fence_registers(dp);
-    backward::load_row_stats<NQ>(dsum, row_stat_buffers + (2 + buf) * BM + wg_query0, t);
 #pragma unroll
-    for (int j = 0; j < NQ / 8; ++j)
+    for (int j = 0; j < NQ / 8; ++j) {
+      const float2 dsum = backward::row_stat_pair(dsum_row, j, t);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const bool kept = !has_dropout(kMod) || ((keep_bits >> (4 * j + e)) & 1);
         const float dp_kept = has_dropout(kMod) ? (kept ? dp[4 * j + e] * p.dropout_scale : 0.f) : dp[4 * j + e];
-        dp[4 * j + e] = s[4 * j + e] * (dp_kept - ((e & 1) ? dsum[j].y : dsum[j].x));
+        dp[4 * j + e] = s[4 * j + e] * (dp_kept - ((e & 1) ? dsum.y : dsum.x));
         if constexpr (ScoreTransform<kMod>::kSoftcap) {
           const float2 derivative = unpack_tanh_derivative(*tanh_derivative(j, e >> 1));
           dp[4 * j + e] *= (e & 1) ? derivative.y : derivative.x;
         }
         if constexpr (has_dropout(kMod)) s[4 * j + e] = kept ? s[4 * j + e] : 0.f;
       }
+    }
 
     if constexpr (!kSplit) {
       // Pᵀ and dSᵀ as the A fragments of the k16 steps over the 64 queries.
@@ -497,9 +521,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                                          mn_major_descriptor(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
       sm90::wgmma_commit();
     } else {
-      backward::store_score_tile<Element, NQ>(base_ptr + score_offset(buf, 1), s, key_row0, wg_query0 / 8, g, t);
+      backward::store_score_tile<Element, NQ, BN>(base_ptr + score_offset(buf, 1), s, key_row0, wg_query0 / 8, g, t);
     }
-    backward::store_score_tile<Element, NQ>(base_ptr + score_offset(buf, 0), dp, key_row0, wg_query0 / 8, g, t);
+    backward::store_score_tile<Element, NQ, BN>(base_ptr + score_offset(buf, 0), dp, key_row0, wg_query0 / 8, g, t);
     if (prefetch) store_row_stat(it + 1, next_row_stat);
     sm90::fence_shared_to_async_proxy();
     sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
@@ -528,7 +552,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<Element, Shape::kDqColumns>::ss_ab_mn_major(
-          dq, mn_major_descriptor(ds_tile + kk * 16 * sm90::kSwizzleBytes, BN),
+          dq, mn_major_descriptor(ds_tile + (dq_query0 / 64 * BN + kk * 16) * sm90::kSwizzleBytes, BN),
           mn_major_descriptor(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN), kk > 0);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
@@ -542,7 +566,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     // group of 8 rows (which land in the sequence's padded workspace rows). Columns past head_dim
     // add zeros to the padding of dq_accum, which nothing reads. This lane's first dQ element in
     // a tile, the rest at compile-time offsets from it:
-    const int dq_lane = dq_accum_offset(warp_row + g, dq_col0 + 2 * t, W);
+    const int dq_lane = dq_accum_offset(dq_query0 + warp_row + g, dq_col0 + 2 * t, W);
     if constexpr (Shape::kDqThroughSharedMemory) {
       // The tile is free once the writer's adds of the previous iteration have read it.
       if (it > 0) sm90::named_barrier_sync(sm90::kDqEmptyBarrier, kDqBarrierThreads);
@@ -559,7 +583,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       float* const dq_block = dq_workspace_block(it) + dq_lane;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        if (m0 + warp_row + g + 8 * half < seq.seqlen_q) {
+        if (m0 + dq_query0 + warp_row + g + 8 * half < seq.seqlen_q) {
 #pragma unroll
           for (int j = 0; j < Shape::kDqColumns / 8; ++j)
             backward::red_add_pair(dq_block + dq_accum_offset(8 * half, 8 * j, W), dq[4 * j + 2 * half],

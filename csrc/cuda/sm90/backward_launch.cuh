@@ -7,6 +7,7 @@
 // standalone check benchmarks/kernels/backward_sm90_check.cu. Versions:
 //   v1  plans for W = 64 and 128.
 //   v2  W = 256, split by head dims.
+//   v3  W = 64 with 128 queries per iteration; plans per score-mod variant.
 #pragma once
 
 #include <cuda.h>
@@ -22,23 +23,27 @@ namespace flashattn {
 // The Hopper backward plan per head-dim tile width W (void: none, the mma.sync kernel runs).
 // What bounds it (sm90/backward_kernel.cuh has the details):
 //  - registers: split by keys, dK + dV take W of the 240 registers a consumer thread has and
-//    Sᵀ + dPᵀ 64 more, so W = 256 splits the head dimension instead (128 + 32); W = 32, 96, 192
-//    are not whole 128-byte swizzle columns (192 would be, split by head dims, only as 96 + 96);
-//  - shared memory (two Q/dO stages): 98 KB at W = 64, 160 KB at W = 128, 224 KB at W = 256.
-template <int W>
+//    Sᵀ + dPᵀ kBlockM more, so W = 256 splits the head dimension instead (128 + 32) and only
+//    W = 64 has room for 128 queries per iteration (64 + 128); W = 32, 96, 192 are not whole
+//    128-byte swizzle columns (192 would be, split by head dims, only as 96 + 96);
+//  - shared memory (two Q/dO stages): 194 KB at W = 64, 192 KB at W = 128, 224 KB at W = 256.
+//  - softcap with ALiBi or dropout at W = 64: 128 queries spill there (4-100 bytes), so those
+//    variants take 64.
+template <int W, ScoreMod kMod>
 struct Sm90BackwardPlan {
   using Shape = void;
 };
-template <>
-struct Sm90BackwardPlan<64> {
-  using Shape = Sm90BackwardShape<64, false>;
+template <ScoreMod kMod>
+struct Sm90BackwardPlan<64, kMod> {
+  static constexpr bool kSpillsAt128 = has_softcap(kMod) && kMod != ScoreMod::kSoftcap;
+  using Shape = Sm90BackwardShape<64, false, 2, kSpillsAt128 ? 64 : 128>;
 };
-template <>
-struct Sm90BackwardPlan<128> {
+template <ScoreMod kMod>
+struct Sm90BackwardPlan<128, kMod> {
   using Shape = Sm90BackwardShape<128, false>;
 };
-template <>
-struct Sm90BackwardPlan<256> {
+template <ScoreMod kMod>
+struct Sm90BackwardPlan<256, kMod> {
   using Shape = Sm90BackwardShape<256, true>;
 };
 
