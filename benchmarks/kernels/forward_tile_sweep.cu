@@ -189,6 +189,7 @@ void sweep(std::mt19937& rng) {
 }
 
 int main() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line out as it is timed, should a timeout end the run
   std::mt19937 rng(0);
   sweep<FLASHATTN_SWEEP_SHAPES>(rng);
   return 0;

@@ -3,12 +3,14 @@
 // CUDA-event timings. Header only; the harnesses' build lines are in their own headers.
 // Versions:
 //   v1  split out of forward_tile_sweep.cu for backward_sm90_check.cu.
+//   v2  inputs drawn on the device.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -27,14 +29,26 @@
 
 namespace bench {
 
-// n values drawn from N(0, 1), rounded to bf16, in a new device buffer.
+// Normal values by Box-Muller on two uniforms hashed from (seed, index): drawn on the device,
+// since a host generator took most of a sweep's time (100M values per benchmark problem).
+__global__ void fill_random_normal_bf16(__nv_bfloat16* out, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9E3779B9u ^ uint32_t(i >> 32) * 0x85EBCA6Bu ^ seed;
+    const auto mix = [](uint32_t x) {  // murmur3's finaliser
+      x ^= x >> 16; x *= 0x85EBCA6Bu; x ^= x >> 13; x *= 0xC2B2AE35u; return x ^ (x >> 16);
+    };
+    const uint32_t a = mix(h), b = mix(h ^ 0x68E31DA4u);
+    const float u1 = (float(a >> 8) + 1.f) * (1.f / 16777217.f), u2 = float(b >> 8) * (1.f / 16777216.f);
+    out[i] = __float2bfloat16(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+  }
+}
+
+// n values drawn from N(0, 1), rounded to bf16, in a new device buffer (the seed from rng).
 inline __nv_bfloat16* random_normal_bf16(size_t n, std::mt19937& rng) {
-  std::vector<__nv_bfloat16> host(n);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (auto& x : host) x = __float2bfloat16(dist(rng));
   __nv_bfloat16* dev = nullptr;
   CUDA_OK(cudaMalloc(&dev, n * sizeof(__nv_bfloat16)));
-  CUDA_OK(cudaMemcpy(dev, host.data(), n * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
+  fill_random_normal_bf16<<<1024, 256>>>(dev, n, uint32_t(rng()));
+  CUDA_OK(cudaGetLastError());
   return dev;
 }
 
