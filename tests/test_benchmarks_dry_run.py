@@ -18,7 +18,7 @@ def run(cmd, tmp_path, **env):
     # A matplotlib that fails to import stands in for one not installed, whatever this
     # environment has.
     blocker = tmp_path / "no_matplotlib" / "matplotlib"
-    blocker.mkdir(parents=True)
+    blocker.mkdir(parents=True, exist_ok=True)
     (blocker / "__init__.py").write_text("raise ImportError('matplotlib blocked by the test')\n")
     env = dict(os.environ, PYTHONPATH=str(blocker.parent), PYTHON=sys.executable, **env)
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -145,3 +145,40 @@ def test_bench_variants_cpu_dry_run(tmp_path):
     for mode in ("fwd", "bwd"):
         assert summary[mode]["targets"]["dropout"] == 0.15 and summary[mode]["targets"]["softcap"] == 0.05
         assert summary[mode]["within_target"] == (not summary[mode]["ours_above_target"])
+
+
+def write_speed_csv(path, cells):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["dtype", "head_dim", "seqlen", "batch", "nheads", "nheads_kv", "causal", "mode", "impl",
+                    "status", "reason", "time_ms", "tflops"])
+        for d, causal, mode, impl, tflops in cells:
+            ok = tflops is not None
+            w.writerow(["bf16", d, 8192, 2, 2048 // d, 2048 // d, causal, mode, impl, "ok" if ok else "WRONG",
+                        "", 1.0, tflops if ok else ""])
+
+
+def test_grid_report_merges_runs_and_forms_the_ratios(tmp_path):
+    write_speed_csv(tmp_path / "d64.csv", [
+        (64, False, "fwd", "ours", 400.0), (64, False, "fwd", "fa4", 500.0), (64, False, "fwd", "sdpa_cudnn", 450.0),
+        (64, False, "bwd", "ours", 250.0), (64, False, "bwd", "fa4", 500.0), (64, False, "bwd", "sdpa_cudnn", None)])
+    write_speed_csv(tmp_path / "d128.csv", [
+        (128, True, "fwd", "ours", 600.0), (128, True, "fwd", "fa4", 500.0)])
+    proc = run([sys.executable, "benchmarks/grid_report.py", str(tmp_path / "d64.csv"), str(tmp_path / "d128.csv"),
+                "--out", str(tmp_path / "grid.md")], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = (tmp_path / "grid.md").read_text().splitlines()
+    assert lines[0] == "| d | heads q/kv | causal | N | mode | ours | fa4 | sdpa_cudnn | ours / best peer |"
+    rows = lines[2:]
+    assert rows[0] == "| 64 | 32/32 | no | 8192 | fwd | 400 | 500 | 450 | 0.80 |"
+    assert rows[1] == "| 64 | 32/32 | no | 8192 | bwd | 250 | 500 | WRONG | 0.50 |"
+    # fwd+bwd: 3.5 forward-FLOP units over 1/400 + 2.5/250 of time = 280 for ours, 500 for fa4
+    assert rows[2] == "| 64 | 32/32 | no | 8192 | fwd_bwd | 280 | 500 | - | 0.56 |"
+    assert rows[3] == "| 128 | 16/16 | yes | 8192 | fwd | 600 | 500 | - | 1.20 |"
+    assert len(rows) == 4
+    # The same cell from two runs is refused: ratios hold only within one run.
+    (tmp_path / "d64_again.csv").write_text((tmp_path / "d64.csv").read_text())
+    proc = run([sys.executable, "benchmarks/grid_report.py", str(tmp_path / "d64.csv"),
+                str(tmp_path / "d64_again.csv")], tmp_path)
+    assert proc.returncode != 0 and "compare only within one run" in proc.stdout + proc.stderr
