@@ -1,0 +1,34 @@
+"""The torch-free kernel harnesses of benchmarks/kernels (the forward tile sweep and the Hopper
+backward check, run on the GPU machine by tools/gpu_check.sh) still compile against the
+kernels' headers: nothing else builds them, and the sweep once fell behind the params struct
+and a template argument without a sign until a device call failed. Needs nvcc, not a GPU."""
+
+import subprocess
+
+import pytest
+
+from cmake_build import REPO_ROOT
+from test_kernel_resources import _nvcc
+
+KERNELS = REPO_ROOT / "benchmarks" / "kernels"
+
+
+@pytest.mark.parametrize("harness, defines, shapes", [
+    # One shape of each family is enough for what rots: the launch calls and the params.
+    ("forward_tile_sweep.cu", [], "ForwardTileShape<64, 128, 64, 4>"),
+    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], "Sm90ForwardShape<64, 128, 1, 3>"),
+    ("backward_sm90_check.cu", [], None),
+], ids=["sweep_sm80", "sweep_sm90", "backward_check"])
+def test_kernel_harness_compiles(tmp_path, harness, defines, shapes):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc (set CUDA_HOME)")
+    include = []
+    if shapes:
+        header = tmp_path / "shapes.h"
+        header.write_text(f"#define FLASHATTN_SWEEP_SHAPES {shapes}\n")
+        include = ["-include", str(header)]
+    run = subprocess.run([nvcc, "-std=c++20", "-O1", "-gencode=arch=compute_90a,code=sm_90a", *defines, *include,
+                          f"-I{REPO_ROOT / 'csrc'}", "-c", str(KERNELS / harness), "-o", str(tmp_path / "h.o")],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:]
