@@ -147,19 +147,19 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       // K of block it + 1 before V of block it: S_{it+1} is issued before P_it V_it. A stage of K
       // is freed once its S has completed, one of V once its P V has, so K runs ahead of V.
       sm90::PipelineState<kStages> k_write, v_write;
-      const auto load = [&](sm90::PipelineState<kStages>& write, uint32_t tile, uint32_t full, uint32_t empty,
-                            const CUtensorMap* map, int it) {
-        if (it >= kStages) sm90::mbarrier_wait(empty, write.phase ^ 1);
-        sm90::mbarrier_arrive_expect_bytes(full, Shape::kKVBytes);
-        sm90::tma_load_tile<kColumnBlocks>(tile, map, full, kBlockN, seq.k_offset + (blk.n_block_last - it) * kBlockN,
-                                           blk.kv_head, k_batch);
+      const auto load = [&](sm90::PipelineState<kStages>& write, const auto& tile, const auto& full,
+                            const auto& empty, const CUtensorMap* map, int it) {
+        const int stage = write.index;
+        if (it >= kStages) sm90::mbarrier_wait(empty(stage), write.phase ^ 1);
+        sm90::mbarrier_arrive_expect_bytes(full(stage), Shape::kKVBytes);
+        sm90::tma_load_tile<kColumnBlocks>(tile(stage), map, full(stage), kBlockN,
+                                           seq.k_offset + (blk.n_block_last - it) * kBlockN, blk.kv_head, k_batch);
         write.advance();
       };
-      load(k_write, k_smem(0), k_full(0), k_empty(0), &args.k_map, 0);
+      load(k_write, k_smem, k_full, k_empty, &args.k_map, 0);
       for (int it = 0; it < num_blocks; ++it) {
-        if (it + 1 < num_blocks)
-          load(k_write, k_smem(k_write.index), k_full(k_write.index), k_empty(k_write.index), &args.k_map, it + 1);
-        load(v_write, v_smem(v_write.index), v_full(v_write.index), v_empty(v_write.index), &args.v_map, it);
+        if (it + 1 < num_blocks) load(k_write, k_smem, k_full, k_empty, &args.k_map, it + 1);
+        load(v_write, v_smem, v_full, v_empty, &args.v_map, it);
       }
     }
   } else {
