@@ -99,15 +99,16 @@ def test_backward_deterministic_is_correct(head_dim, causal):
                    context=f"d={head_dim} window")
 
 
+@pytest.mark.parametrize("head_dim", (128, 256))
 @pytest.mark.parametrize("window", ((-1, -1), (-1, 0), (512, 0), (-1, 512), (512, -1)),
                          ids=("full", "causal", "local", "right_bounded", "left_bounded"))
-def test_backward_deterministic_with_more_key_blocks_than_run_at_once(window):
-    """deterministic=True where one head has 300 key blocks of 128 keys, more than the GPU runs at
-    once: a key block that waited for one not yet launched would hang. dq agrees with the
-    non-deterministic result up to rounding (an add skipped or repeated would be far off) and
-    repeats bit for bit."""
-    q, k, v, dout = random_inputs(1, 38400, 38400, 2, 1, 128, torch.bfloat16, seed=11)
-    scale = 128 ** -0.5
+def test_backward_deterministic_with_more_key_blocks_than_run_at_once(window, head_dim):
+    """deterministic=True where one head has 300 key blocks of 128 keys (d 128) or 600 of 64 (d 256,
+    the Hopper kernel's tile), more than the GPU runs at once: a key block that waited for one not
+    yet launched would hang. dq agrees with the non-deterministic result up to rounding (an add
+    skipped or repeated would be far off) and repeats bit for bit."""
+    q, k, v, dout = random_inputs(1, 38400, 38400, 2, 1, head_dim, torch.bfloat16, seed=11)
+    scale = head_dim ** -0.5
     out, lse = forward(q, k, v, scale, False, window)
     free = backward(dout, q, k, v, out, lse, scale, False, window)
     first = backward(dout, q, k, v, out, lse, scale, False, window, deterministic=True)

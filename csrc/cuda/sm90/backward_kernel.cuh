@@ -76,10 +76,12 @@
 //    tile (kBlockM x W): 194 KB at W = 64, 192 KB at W = 128, 224 KB at W = 256 (two stages),
 //    within the 227 KB of sm_90.
 //
-// Deterministic dQ (by keys only): the dQ writer waits for its key block's turn on a semaphore per
-// (batch, head, query block) before each bulk add and passes the turn on once the add is complete
-// (dq_add_turn, dq_adds_last_key_block_first in common/tile_scheduler.cuh). By head dims the
-// launch layer keeps deterministic calls on the sm_80 kernel. Not here: W not a multiple of 64.
+// Deterministic dQ: the adds of a (batch, head, query block) follow one order of key blocks, kept
+// by a semaphore per query block (dq_add_turn, dq_adds_last_key_block_first in
+// common/tile_scheduler.cuh). By keys the dQ writer waits for its key block's turn before each
+// bulk add and passes the turn on once the add is complete; by head dims a turn keeper warp of
+// the producer warpgroup waits, and two named barriers shared with the consumers order their
+// atomics between its acquire and its release. Not here: W not a multiple of 64.
 //
 // Build: compiled only for the sm_90a target (wgmma, setmaxnreg); instantiated through
 // backward_launch.cuh in instantiations/bwd_hdim<W>.cu; tested standalone by
@@ -298,6 +300,15 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const uint32_t dq_smem = base + Shape::kOffDq;
   constexpr int kDqBarrierThreads = Shape::kConsumerThreads + 32;  // the consumers and the dQ writer warp
   const MaskGeometry& mask = blk.mask;
+  // Deterministic: iteration it's query block semaphore, and the number of key blocks that add
+  // to it before this one (dq_add_turn).
+  const auto dq_semaphore = [&](int it) {
+    return p.dq_semaphore + (int64_t{b} * p.nheads_q + head_of(it)) * (p.seqlen_q_rounded / kBackwardMinBlockM) +
+           query_block_start(it) / BM;
+  };
+  const auto dq_turn = [&](int it) {
+    return dq_add_turn(mask, n0 / BN, query_block_start(it) / BM, BM, BN, last_key_block_first);
+  };
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -338,12 +349,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       for (int it = 0; it < num_iters; ++it) {
         const int m0 = query_block_start(it);
         const int row_groups = (min(BM, seq.seqlen_q - m0) + 7) / 8;
-        int* const semaphore =
-            p.deterministic ? p.dq_semaphore +
-                                  (int64_t{b} * p.nheads_q + head_of(it)) * (p.seqlen_q_rounded / kBackwardMinBlockM) +
-                                  m0 / BM
-                            : nullptr;
-        const int turn = p.deterministic ? dq_add_turn(mask, n0 / BN, m0 / BM, BM, BN, last_key_block_first) : 0;
+        int* const semaphore = p.deterministic ? dq_semaphore(it) : nullptr;
+        const int turn = p.deterministic ? dq_turn(it) : 0;
         sm90::named_barrier_sync(sm90::kDqFullBarrier, kDqBarrierThreads);
         if (issuer) {
           if (p.deterministic) {
@@ -364,6 +371,29 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         }
       }
       if (issuer) sm90::bulk_wait<0>();
+    } else if (!Shape::kDqThroughSharedMemory && p.deterministic && threadIdx.x / 32 == 1 && num_iters > 0) {
+      // The turn keeper of the consumers' dQ atomics (deterministic, by head dims): a warp of the
+      // producer warpgroup, so that the turn's arithmetic and wait stay out of the consumers'
+      // loop (inlined there it cost 4 % even when not deterministic). The barriers order every
+      // consumer's atomics between the acquire and the release (fence and release being
+      // cumulative over what the barrier ordered before them).
+      constexpr int kTurnThreads = Shape::kConsumerThreads + 32;
+      const bool keeper = threadIdx.x % 32 == 0;
+      for (int it = 0; it < num_iters; ++it) {
+        int* const semaphore = dq_semaphore(it);
+        const int turn = dq_turn(it);
+        if (keeper) {
+          while (backward::load_acquire(semaphore) != turn) {
+          }
+        }
+        __syncwarp();
+        sm90::named_barrier_arrive(sm90::kDqTurnBarrier, kTurnThreads);
+        sm90::named_barrier_sync(sm90::kDqAddedBarrier, kTurnThreads);
+        if (keeper) {
+          __threadfence();
+          backward::store_release(semaphore, turn + 1);
+        }
+      }
     }
     return;
   }
@@ -580,6 +610,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::fence_shared_to_async_proxy();
       sm90::named_barrier_arrive(sm90::kDqFullBarrier, kDqBarrierThreads);
     } else {
+      // Deterministic: the turn keeper warp lets the adds start once it is the block's turn, and
+      // passes the turn on after they are issued.
+      constexpr int kTurnThreads = Shape::kConsumerThreads + 32;
+      if (p.deterministic) sm90::named_barrier_sync(sm90::kDqTurnBarrier, kTurnThreads);
       float* const dq_block = dq_workspace_block(it) + dq_lane;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -590,6 +624,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                                    dq[4 * j + 2 * half + 1]);
         }
       }
+      if (p.deterministic) sm90::named_barrier_arrive(sm90::kDqAddedBarrier, kTurnThreads);
     }
   }
 

@@ -1,7 +1,7 @@
 // Launch layer of the Hopper backward main kernel (sm90/backward_kernel.cuh): its tile plan,
 // the TMA maps, the shared-memory opt-in, the grid. backward_launch.cuh calls it first, between
 // the shared preprocess and postprocess kernels, on sm_90 devices of builds that compiled the
-// sm_90a image, for non-deterministic calls.
+// sm_90a image.
 //
 // Build: header only, through backward_launch.cuh (instantiations/bwd_hdim<W>.cu) or the
 // standalone check benchmarks/kernels/backward_sm90_check.cu. Versions:

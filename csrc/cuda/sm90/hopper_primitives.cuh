@@ -115,6 +115,8 @@ enum NamedBarrier : int {
   kConsumersBarrier = 1,  // every consumer thread of the block
   kDqFullBarrier = 2,     // backward: the consumers' dQ tile is in shared memory (consumers + dQ writer)
   kDqEmptyBarrier = 3,    // backward: the dQ writer's bulk adds have read that tile
+  kDqTurnBarrier = 4,     // backward by head dims, deterministic: the query block's turn to add dQ has come
+  kDqAddedBarrier = 5,    // backward by head dims, deterministic: the consumers have issued their dQ adds
 };
 
 // Barrier `id` (1..15; 0 is __syncthreads) that completes once `threads` threads (whole
