@@ -298,7 +298,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
            dq_accum_offset(workspace_sequence + head_of(it) * p.workspace_head_stride + query_block_start(it), 0, W);
   };
   const uint32_t dq_smem = base + Shape::kOffDq;
-  constexpr int kDqBarrierThreads = Shape::kConsumerThreads + 32;  // the consumers and the dQ writer warp
+  // The consumers and the producer warpgroup's dQ warp (the writer by keys, the turn keeper by head dims).
+  constexpr int kDqBarrierThreads = Shape::kConsumerThreads + 32;
   const MaskGeometry& mask = blk.mask;
   // Deterministic: iteration it's query block semaphore, and the number of key blocks that add
   // to it before this one (dq_add_turn).
@@ -377,7 +378,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       // loop (inlined there it cost 4 % even when not deterministic). The barriers order every
       // consumer's atomics between the acquire and the release (fence and release being
       // cumulative over what the barrier ordered before them).
-      constexpr int kTurnThreads = Shape::kConsumerThreads + 32;
       const bool keeper = threadIdx.x % 32 == 0;
       for (int it = 0; it < num_iters; ++it) {
         int* const semaphore = dq_semaphore(it);
@@ -387,8 +387,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
           }
         }
         __syncwarp();
-        sm90::named_barrier_arrive(sm90::kDqTurnBarrier, kTurnThreads);
-        sm90::named_barrier_sync(sm90::kDqAddedBarrier, kTurnThreads);
+        sm90::named_barrier_arrive(sm90::kDqTurnBarrier, kDqBarrierThreads);
+        sm90::named_barrier_sync(sm90::kDqAddedBarrier, kDqBarrierThreads);
         if (keeper) {
           __threadfence();
           backward::store_release(semaphore, turn + 1);
@@ -612,8 +612,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     } else {
       // Deterministic: the turn keeper warp lets the adds start once it is the block's turn, and
       // passes the turn on after they are issued.
-      constexpr int kTurnThreads = Shape::kConsumerThreads + 32;
-      if (p.deterministic) sm90::named_barrier_sync(sm90::kDqTurnBarrier, kTurnThreads);
+      if (p.deterministic) sm90::named_barrier_sync(sm90::kDqTurnBarrier, kDqBarrierThreads);
       float* const dq_block = dq_workspace_block(it) + dq_lane;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -624,7 +623,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                                    dq[4 * j + 2 * half + 1]);
         }
       }
-      if (p.deterministic) sm90::named_barrier_arrive(sm90::kDqAddedBarrier, kTurnThreads);
+      if (p.deterministic) sm90::named_barrier_arrive(sm90::kDqAddedBarrier, kDqBarrierThreads);
     }
   }
 
