@@ -9,10 +9,12 @@ namespace flashattn {
 
 struct KvcacheFwdParams : AttentionFwdParams {
   // The cache: k / v (and their strides) are k_cache / v_cache. Batch entry b's keys are
-  // the rows [cache_leftpad[b], seqused_k[b]) of cache row cache_batch_idx[b] (b when
-  // null), or, paged, of the pages block_table[b][.] (k / v then (num_pages, page_size,
-  // nheads_kv, head_dim): their batch stride steps one page). seqlen_k is the rows a
-  // cache row can hold, the bound every lookup is clamped to.
+  // the rows [cache_leftpad[b], seqused_k[b] + seqlen_new) of cache row cache_batch_idx[b]
+  // (b when null), or, paged, of the pages block_table[b][.] (k / v then (num_pages,
+  // page_size, nheads_kv, head_dim): their batch stride steps one page). seqused_k is
+  // cache_seqlens, the rows before this call's seqlen_new appended ones (added here rather
+  // than by a pass of its own). seqlen_k is the rows a cache row can hold, the bound every
+  // lookup is clamped to.
   const int* block_table;  // (batch, pages_per_row) or nullptr
   int64_t block_table_batch_stride;
   int pages_per_row;
@@ -20,6 +22,7 @@ struct KvcacheFwdParams : AttentionFwdParams {
   int num_pages;  // of k / v when paged: a block_table entry is clamped below it
   const int* cache_batch_idx;
   const int* cache_leftpad;
+  int seqlen_new;
 
   // Packed GQA: the `group` query heads of one KV head are rows of one tile, row r of KV
   // head h being query position r / group of head h * group + r % group. q_strides step

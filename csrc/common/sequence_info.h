@@ -98,7 +98,7 @@ struct CacheSequence {
         page_size(p.page_size),
         pages_per_row(p.pages_per_row),
         num_pages(p.num_pages) {
-    const int end = p.seqused_k != nullptr ? clamp(p.seqused_k[b], 0, p.seqlen_k) : p.seqlen_k;
+    const int end = p.seqused_k != nullptr ? clamp(p.seqused_k[b] + p.seqlen_new, 0, p.seqlen_k) : p.seqlen_k;
     seqlen_k = end > leftpad ? end - leftpad : 0;
   }
   // Element (row, head, 0) of a cache tensor, row counted from the cache row's start

@@ -79,11 +79,6 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   const at::Tensor q_read =
       copy_q ? at::empty({sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim}, q.options())
              : with_16_byte_rows(q);
-  // The keys each sequence ends at (the new rows included); absent: whole cache rows.
-  std::optional<at::Tensor> seqused_k;
-  if (opts.cache_seqlens.has_value())
-    seqused_k = (*opts.cache_seqlens + sizes.seqlen_new).to(at::kInt);
-
   KvcacheFwdParams p{};
   p.q = q_read.data_ptr();
   if (copy_q)
@@ -106,7 +101,9 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   p.seqlen_q = p.rows_q = static_cast<int>(sizes.seqlen_q);
   p.seqlen_k = p.rows_k = static_cast<int>(sizes.capacity);
   p.head_dim = static_cast<int>(sizes.head_dim);
-  p.seqused_k = int_data(seqused_k);
+  // The keys each sequence ends at: cache_seqlens[b] + seqlen_new (absent: whole cache rows).
+  p.seqused_k = int_data(opts.cache_seqlens);
+  p.seqlen_new = static_cast<int>(sizes.seqlen_new);
   p.softmax_scale = static_cast<float>(opts.softmax_scale);
   p.softmax_scale_log2 = static_cast<float>(opts.softmax_scale * M_LOG2E);
   p.softcap = static_cast<float>(opts.softcap);

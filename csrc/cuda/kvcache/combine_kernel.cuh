@@ -2,7 +2,13 @@
 // log-sum-exp, O = sum_s exp(lse_s - lse) O_s with lse = log (sum_s exp(lse_s) + exp(sink))
 // (the learnable sink joins here, once, not in each split), and written to its (query
 // position, head) of out and lse. A row no split saw a key for gets O = 0 and lse = +inf
-// (lse = sink with a sink), as from the other forward kernels. One warp per row.
+// (lse = sink with a sink), as from the other forward kernels.
+//
+// One block per row: warp 0 turns the splits' lse into weights in shared memory, then the
+// warps take every kCombineWarps-th split each, so a row's partials are all in flight at once,
+// and add their sums in shared memory. (One warp per row, a split at a time, took 21 us for 29
+// splits, beside 155 us for the attention over 128k keys before it: a chain of dependent
+// L2 loads.)
 #pragma once
 
 #include <cmath>
@@ -12,6 +18,10 @@
 #include "cuda/common/mma_primitives.cuh"
 
 namespace flashattn {
+
+constexpr int kCombineWarps = 4;
+constexpr int kMaxSplits = 128;
+constexpr int kCombineMaxHeadDim = 256;
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
@@ -25,59 +35,86 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 template <typename Element>
-__global__ void kvcache_combine_kernel(const __grid_constant__ KvcacheFwdParams p) {
+__global__ void __launch_bounds__(32 * kCombineWarps) kvcache_combine_kernel(const __grid_constant__ KvcacheFwdParams p) {
   using Mma = MmaElement<Element>;
-  const int lane = threadIdx.x % 32;
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  __shared__ float weights[kMaxSplits];
+  __shared__ float2 sums[kCombineWarps][kCombineMaxHeadDim / 2];
+  __shared__ float row_lse;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t row = blockIdx.x;
   const int64_t rows = int64_t(p.batch) * p.nheads_kv * p.packed_rows;
-  if (row >= rows) return;
   const int r = static_cast<int>(row % p.packed_rows);
   const int kv_head = static_cast<int>(row / p.packed_rows % p.nheads_kv);
   const int b = static_cast<int>(row / p.packed_rows / p.nheads_kv);
   const int position = r / p.group, head = kv_head * p.group + r % p.group;
   const int64_t split_stride = rows;  // partial rows between one split and the next
 
-  const float sink = p.learnable_sink != nullptr ? p.learnable_sink[head] : -INFINITY;
-  float max_lse = sink;
-  for (int s = lane; s < p.num_splits; s += 32) max_lse = fmaxf(max_lse, p.lse_partial[s * split_stride + row]);
-  max_lse = warp_max(max_lse);
-  float sum = 0.f;
-  if (max_lse != -INFINITY) {
-    for (int s = lane; s < p.num_splits; s += 32) sum += expf(p.lse_partial[s * split_stride + row] - max_lse);
-    if (lane == 0 && sink != -INFINITY) sum += expf(sink - max_lse);
+  if (warp == 0) {
+    const float sink = p.learnable_sink != nullptr ? p.learnable_sink[head] : -INFINITY;
+    float split_lse[kMaxSplits / 32];
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) {
+      const int s = lane + 32 * i;
+      split_lse[i] = s < p.num_splits ? p.lse_partial[s * split_stride + row] : -INFINITY;
+    }
+    float max_lse = sink;
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) max_lse = fmaxf(max_lse, split_lse[i]);
+    max_lse = warp_max(max_lse);
+    float sum = 0.f;
+    if (max_lse != -INFINITY) {
+#pragma unroll
+      for (int i = 0; i < kMaxSplits / 32; ++i) sum += expf(split_lse[i] - max_lse);  // 0 for an empty split
+      if (lane == 0 && sink != -INFINITY) sum += expf(sink - max_lse);
+    }
+    sum = warp_sum(sum);
+    const bool has_keys = max_lse != -INFINITY;
+    const float lse = has_keys ? max_lse + logf(sum) : INFINITY;
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) weights[lane + 32 * i] = has_keys ? expf(split_lse[i] - lse) : 0.f;
+    if (lane == 0) {
+      row_lse = lse;
+      p.lse[b * p.lse_strides.batch + head * p.lse_strides.head + position] = lse;
+    }
   }
-  sum = warp_sum(sum);
-  const bool has_keys = max_lse != -INFINITY;
-  const float lse = has_keys ? max_lse + logf(sum) : INFINITY;
+  __syncthreads();
 
-  Element* out = static_cast<Element*>(p.out) + b * p.out_strides.batch + position * p.out_strides.row +
-                 head * p.out_strides.head;
-  // Lane j holds the weight of split s0 + j and passes it round: the loads of eight splits are
-  // then in flight at once. (One split at a time, its weight recomputed per column pass, took
-  // 21 us for 29 splits, beside 155 us for the attention over 128k keys before it.)
-  for (int col0 = 0; col0 < p.head_dim; col0 += 64) {
-    const int col = col0 + 2 * lane;
-    const bool in_row = col < p.head_dim;
-    float o0 = 0.f, o1 = 0.f;
-    for (int s0 = 0; has_keys && s0 < p.num_splits; s0 += 32) {
-      const int s = s0 + lane;
-      // 0 for an empty split (lse_s = -inf)
-      const float lane_weight = s < p.num_splits ? expf(p.lse_partial[s * split_stride + row] - lse) : 0.f;
-      const int count = min(32, p.num_splits - s0);
-#pragma unroll 8
-      for (int j = 0; j < count; ++j) {
-        const float weight = __shfl_sync(0xffffffffu, lane_weight, j);
-        if (in_row) {
-          const float2 o =
-              *reinterpret_cast<const float2*>(p.out_partial + ((s0 + j) * split_stride + row) * p.head_dim + col);
-          o0 += weight * o.x;
-          o1 += weight * o.y;
+  // Lane pairs of columns 2 lane + 64 i; a column past head_dim (a multiple of 8) is never read.
+  constexpr int kPairsPerLane = kCombineMaxHeadDim / 64;
+  float2 acc[kPairsPerLane];
+#pragma unroll
+  for (int i = 0; i < kPairsPerLane; ++i) acc[i] = make_float2(0.f, 0.f);
+  if (row_lse != INFINITY) {
+#pragma unroll 4
+    for (int s = warp; s < p.num_splits; s += kCombineWarps) {
+      const float weight = weights[s];
+      const float* partial = p.out_partial + (s * split_stride + row) * p.head_dim;
+#pragma unroll
+      for (int i = 0; i < kPairsPerLane; ++i) {
+        const int col = 2 * lane + 64 * i;
+        if (col < p.head_dim) {
+          const float2 o = *reinterpret_cast<const float2*>(partial + col);
+          acc[i].x += weight * o.x;
+          acc[i].y += weight * o.y;
         }
       }
     }
-    if (in_row) *reinterpret_cast<uint32_t*>(out + col) = Mma::pack(o0, o1);
   }
-  if (lane == 0) p.lse[b * p.lse_strides.batch + head * p.lse_strides.head + position] = lse;
+#pragma unroll
+  for (int i = 0; i < kPairsPerLane; ++i) sums[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+
+  Element* out = static_cast<Element*>(p.out) + b * p.out_strides.batch + position * p.out_strides.row +
+                 head * p.out_strides.head;
+  for (int pair = threadIdx.x; 2 * pair < p.head_dim; pair += 32 * kCombineWarps) {
+    float2 o = sums[0][pair];
+#pragma unroll
+    for (int w = 1; w < kCombineWarps; ++w) {
+      o.x += sums[w][pair].x;
+      o.y += sums[w][pair].y;
+    }
+    *reinterpret_cast<uint32_t*>(out + 2 * pair) = Mma::pack(o.x, o.y);
+  }
 }
 
 }  // namespace flashattn

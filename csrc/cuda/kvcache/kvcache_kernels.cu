@@ -13,8 +13,7 @@
 namespace flashattn {
 namespace {
 
-constexpr int kRowsPerBlock = 4;  // one warp per row
-constexpr int kMaxSplits = 128;
+constexpr int kRowsPerBlock = 4;  // the prepare kernel: one warp per row
 
 int64_t blocks_for_rows(int64_t rows) { return (rows + kRowsPerBlock - 1) / kRowsPerBlock; }
 
@@ -55,11 +54,12 @@ cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePr
 }
 
 cudaError_t launch_kvcache_combine(const KvcacheFwdParams& params, cudaStream_t stream) {
-  const int64_t blocks = blocks_for_rows(int64_t(params.batch) * params.nheads_kv * params.packed_rows);
-  if (blocks == 0) return cudaSuccess;
+  const int64_t rows = int64_t(params.batch) * params.nheads_kv * params.packed_rows;
+  if (rows == 0) return cudaSuccess;
+  if (params.num_splits > kMaxSplits || params.head_dim > kCombineMaxHeadDim) return cudaErrorInvalidValue;
   return params.is_bf16
-             ? launch_on_flat_grid(kvcache_combine_kernel<__nv_bfloat16>, blocks, 32 * kRowsPerBlock, 0, stream, params)
-             : launch_on_flat_grid(kvcache_combine_kernel<__half>, blocks, 32 * kRowsPerBlock, 0, stream, params);
+             ? launch_on_flat_grid(kvcache_combine_kernel<__nv_bfloat16>, rows, 32 * kCombineWarps, 0, stream, params)
+             : launch_on_flat_grid(kvcache_combine_kernel<__half>, rows, 32 * kCombineWarps, 0, stream, params);
 }
 
 }  // namespace flashattn
