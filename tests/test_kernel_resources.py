@@ -77,3 +77,25 @@ def test_hopper_kernels_keep_wgmma_asynchronous(resource_reports):
     for name, _, report in resource_reports:
         serialised = [line for line in report.splitlines() if "C7514" in line or "C7515" in line]
         assert not serialised, f"{name}: ptxas serialises wgmma:\n" + "\n".join(serialised)
+
+
+def test_hopper_backward_adds_dq_with_reductions(tmp_path):
+    """The Hopper backward's per-thread dQ adds (d 256) are `red`, which returns nothing: as
+    atomicAdd, followed by the deterministic path's fence, ptxas kept each add's unused result
+    and waited for it (ATOMG), which made the non-deterministic d 256 backward 20 % slower
+    (benchmarks/RESULTS.md, 2026-12-04)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc (set CUDA_HOME)")
+    (tmp_path / "flashattn_build_config.h").write_text("#pragma once\n")
+    source = next(p for p in _write_instantiation_files(tmp_path) if p.name == "bwd_hdim256_kNone.cu")
+    ptx = tmp_path / "bwd.ptx"
+    run = subprocess.run([nvcc, "-std=c++20", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90a", "-ptx",
+                          f"-I{CSRC}", f"-I{tmp_path}", str(source), "-o", str(ptx)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert run.returncode == 0, run.stdout[-3000:]
+    text = ptx.read_text()
+    assert re.search(r"red\.global\.add\.v2\.f32", text), "no vector red of dQ in the Hopper backward"
+    returning = re.findall(r"atom\.global[.\w]*\.v2\.f32", text)
+    assert not returning, f"dQ added with atom (a returned value ptxas may wait for): {returning[:3]}"
+
