@@ -20,11 +20,12 @@ namespace {
 
 struct KvcacheTileInfoReader {
   DeviceLimits limits;
+  int packed_rows;
   KvcacheTileInfo* info;
 
   template <int W>
   cudaError_t launch() const {
-    *info = kvcache_tile_info<W>(limits);
+    *info = kvcache_tile_info<W>(limits, packed_rows);
     return cudaSuccess;
   }
 };
@@ -126,7 +127,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   p.packed_rows = static_cast<int>(packed_rows);
   KvcacheTileInfo tile{};
   cudaError_t status = cudaSuccess;
-  if (!dispatch_head_dim_tile(p.head_dim, KvcacheTileInfoReader{limits, &tile}, &status))
+  if (!dispatch_head_dim_tile(p.head_dim, KvcacheTileInfoReader{limits, p.packed_rows, &tile}, &status))
     fail_head_dim_not_compiled(p.head_dim);
   p.num_splits = kvcache_num_splits(static_cast<int>(opts.num_splits), p.batch, p.nheads_kv, p.packed_rows,
                                     p.seqlen_k, tile, limits.num_sms);

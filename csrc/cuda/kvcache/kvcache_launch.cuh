@@ -13,26 +13,33 @@
 
 namespace flashattn {
 
-// Decoding reads K and V once and computes little: 64-row tiles (decoding's packed rows
-// are the GQA group, a handful) keep the tensor work per key block well under its copy
-// time, and two 64-key stages leave room for two thread blocks per SM (W <= 128), one
-// copying while the other computes. (Four stages, one block per SM, read 1.2 TB/s where
-// two stages read 1.9: benchmarks/RESULTS.md.) W = 192, 256: 32-key blocks (64 spilled).
-// Fallback: devices whose shared-memory opt-in is small (sm_86/89: 99 KB), 32-key blocks
-// (16 at W = 256) on 2 warps.
+// Decoding reads K and V once and computes little. Decode (packed rows <= 32: one query row
+// per head of the GQA group, so up to 32 query heads per KV head): 32-row tiles on 2 warps
+// and three 64-key stages, two thread blocks per SM. Each warp reads the whole K and V
+// block from shared memory, so 4 warps on 64 rows read 4 x the bytes the copy brought in,
+// and the third stage hides the block-table lookup in front of each paged copy (sweep of
+// 2026-12-04 in benchmarks/RESULTS.md: paged 3.0-3.2 -> 3.5-4.1 TB/s, contiguous the same
+// or better; 3 stages of 64 rows held one block per SM and read 2.5-2.9). Primary (longer
+// q: chunked prefill) keeps 64-row tiles and two stages, so K/V are re-read for fewer row
+// blocks. W = 192, 256: 32-key blocks on 64 rows for both (64 keys spilled). Fallback:
+// devices whose shared-memory opt-in is small (sm_86/89: 99 KB), 32-key blocks (16 at
+// W = 256) on 2 warps.
 template <int W>
 struct KvcacheTilePlan {
+  using Decode = ForwardTileShape<W, 32, 64, 2, W / 16, 3>;
   using Primary = ForwardTileShape<W, 64, 64, 4>;
   using Fallback = ForwardTileShape<W, 32, 32, 2>;
 };
 template <>
 struct KvcacheTilePlan<192> {
   using Primary = ForwardTileShape<192, 64, 32, 4>;
+  using Decode = Primary;
   using Fallback = ForwardTileShape<192, 32, 32, 2>;
 };
 template <>
 struct KvcacheTilePlan<256> {  // the score loop half unrolled
   using Primary = ForwardTileShape<256, 64, 32, 4, 8>;
+  using Decode = Primary;
   using Fallback = ForwardTileShape<256, 32, 16, 2>;
 };
 
@@ -43,12 +50,22 @@ struct KvcacheVariantPlan : KvcacheTilePlan<W> {};
 template <>
 struct KvcacheVariantPlan<256, ScoreMod::kSoftcap> {
   using Primary = ForwardTileShape<256, 64, 16, 4>;
+  using Decode = Primary;
   using Fallback = ForwardTileShape<256, 32, 16, 2>;
 };
 
+// f(the tile shape) for a call with this many packed rows on this device.
+template <typename Plan, typename F>
+auto with_kvcache_tile(const DeviceLimits& limits, int packed_rows, const F& f) {
+  if (packed_rows <= Plan::Decode::kBlockM && Plan::Decode::kSmemBytes <= limits.max_smem_per_block)
+    return f(typename Plan::Decode{});
+  if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block) return f(typename Plan::Primary{});
+  return f(typename Plan::Fallback{});
+}
+
 template <int W>
-KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits) {
-  const auto info = [&](auto shape) {
+KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows) {
+  return with_kvcache_tile<KvcacheTilePlan<W>>(limits, packed_rows, [&](auto shape) {
     using Shape = decltype(shape);
     const auto kernel = kvcache_forward_kernel<__nv_bfloat16, Shape, ScoreMod::kNone>;
     int blocks = 1;
@@ -57,25 +74,19 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits) {
             cudaSuccess)
       blocks = 1;
     return KvcacheTileInfo{Shape::kBlockM, Shape::kBlockN, blocks > 0 ? blocks : 1};
-  };
-  using Plan = KvcacheTilePlan<W>;
-  if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block) return info(typename Plan::Primary{});
-  return info(typename Plan::Fallback{});
+  });
 }
 
 template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream) {
-  const auto launch = [&](auto shape) {
+  return with_kvcache_tile<KvcacheVariantPlan<W, kMod>>(limits, params.packed_rows, [&](auto shape) {
     using Shape = decltype(shape);
+    if (Shape::kSmemBytes > limits.max_smem_per_block) return cudaErrorInvalidConfiguration;
     return launch_on_flat_grid(kvcache_forward_kernel<Element, Shape, kMod>,
                                KvcacheBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads,
                                Shape::kSmemBytes, stream, params);
-  };
-  using Plan = KvcacheVariantPlan<W, kMod>;
-  if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block) return launch(typename Plan::Primary{});
-  if (Plan::Fallback::kSmemBytes <= limits.max_smem_per_block) return launch(typename Plan::Fallback{});
-  return cudaErrorInvalidConfiguration;
+  });
 }
 
 #define FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, MOD)                                                         \
@@ -84,7 +95,7 @@ cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const Devic
   template cudaError_t launch_kvcache_attention<__half, W, ScoreMod::MOD>(const KvcacheFwdParams&,             \
                                                                         const DeviceLimits&, cudaStream_t);
 #define FLASHATTN_INSTANTIATE_KVCACHE(W)                              \
-  template KvcacheTileInfo kvcache_tile_info<W>(const DeviceLimits&); \
+  template KvcacheTileInfo kvcache_tile_info<W>(const DeviceLimits&, int); \
   FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kNone)                     \
   FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kSoftcap)
 

@@ -12,13 +12,14 @@
 
 namespace flashattn {
 
-// The tile the attention kernel of width W runs on this device, and how many of its
-// thread blocks an SM holds at once.
+// The tile the attention kernel of width W runs on this device for this many packed rows
+// (a query row of each query head of a KV head's group), and how many of its thread blocks
+// an SM holds at once.
 struct KvcacheTileInfo {
   int block_m, block_n, blocks_per_sm;
 };
 template <int W>
-KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits);
+KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
 
 // The splits of the key blocks for a call whose shapes are these (never its values, so a
 // captured CUDA graph stays right when cache_seqlens changes): `requested` > 0 is taken
