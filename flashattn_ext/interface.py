@@ -410,7 +410,10 @@ def flash_attn_with_kvcache(
             (NotImplementedError).
         num_splits: split the keys into this many parts whose partial results are merged
             by log-sum-exp (1: no split; 0: the backend chooses). Changes the result by
-            rounding only.
+            rounding only. Not applied to long chunks (at least 128 query rows, with
+            batch x nheads x ceil(seqlen_q / 128) at least 3/8 of the GPU's SMs) on a
+            contiguous cache without cache_batch_idx, cache_leftpad or rotary on Hopper
+            GPUs: those run the dense forward kernel, unsplit.
         return_softmax_lse: also return softmax_lse.
         learnable_sink (keyword only): fp32 (nheads,) sink logits, as flash_attn_func's.
 

@@ -22,6 +22,7 @@ import dataclasses
 import pytest
 import torch
 
+import flashattn_ext
 from flashattn_ext import flash_attn_with_kvcache, ops
 from kvcache_inputs import CASES, CASES_BY_NAME, KvcacheCase, KvcacheInputs, make_inputs, seqlens_values
 from reference import assert_error_rule, attention_reference
@@ -377,6 +378,22 @@ LONG_CUDA_CASES = [
     KvcacheCase("long_softcap_sink_paged64_gqa4_d128", batch=2, seqlen_q=3, seqlen_new=3, nheads=8, nheads_kv=2,
                 head_dim=128, capacity=2048, page_size=64, softcap=20.0, sink=True),
     KvcacheCase("long_sink_decode_d64", batch=3, nheads=4, nheads_kv=4, head_dim=64, capacity=1500, sink=True),
+    # Chunks of >= 128 rows on a contiguous cache whose 128-row tiles (batch x heads x
+    # ceil(seqlen_q / 128): 72-96 here) number 3/8 of an H200's 132 SMs: the dense Hopper
+    # forward on Hopper devices (seqused_k = cache_seqlens + the appended rows); the last
+    # case is too thin for it and stays on the split kernel.
+    KvcacheCase("long_chunk_dense_gqa4_d128", batch=3, seqlen_q=160, seqlen_new=160, nheads=16, nheads_kv=4,
+                head_dim=128, capacity=2000),
+    KvcacheCase("long_chunk_dense_window_no_append_d64", batch=3, seqlen_q=130, seqlen_new=0, causal=False,
+                window=(200, 50), nheads=16, nheads_kv=16, head_dim=64, capacity=1500),
+    KvcacheCase("long_chunk_dense_softcap_sink_d256", batch=2, seqlen_q=128, seqlen_new=128, nheads=40,
+                nheads_kv=4, head_dim=256, capacity=1024, softcap=15.0, sink=True),
+    KvcacheCase("long_chunk_dense_whole_rows_d128", batch=2, seqlen_q=200, seqlen_new=0, causal=False, nheads=24,
+                nheads_kv=8, head_dim=128, capacity=777, seqlens="none"),
+    KvcacheCase("long_chunk_dense_empty_caches_d128", batch=2, seqlen_q=128, seqlen_new=64, nheads=36,
+                nheads_kv=36, head_dim=128, capacity=512, seqlens="zero"),
+    KvcacheCase("long_chunk_split_d128", batch=1, seqlen_q=128, seqlen_new=128, nheads=8, nheads_kv=2,
+                head_dim=128, capacity=1000),
 ]
 
 
@@ -384,9 +401,32 @@ LONG_CUDA_CASES = [
 @needs_cuda_kernel
 @pytest.mark.parametrize("num_splits", (0, 1, 3, 16, 200))
 @pytest.mark.parametrize("case", LONG_CUDA_CASES, ids=str)
-def test_kvcache_cuda_long(case, num_splits):
+def test_kvcache_cuda_long(case, num_splits, kernel_family):
     poison_outputs()
     check_call(case, torch.bfloat16, "cuda", num_splits)
+
+
+@pytest.mark.gpu
+@needs_cuda_kernel
+@pytest.mark.parametrize("case_name,dense", [("long_chunk_dense_gqa4_d128", True),
+                                             ("long_chunk_dense_whole_rows_d128", True),
+                                             ("long_chunk_split_d128", False),
+                                             ("long_decode_gqa4_d128", False)])
+def test_long_chunks_run_the_dense_kernel(case_name, dense):
+    """Where a call goes on a Hopper build: a long chunk on a contiguous cache to the dense
+    wgmma forward (2.3 x the split kernel at 512 rows), a thin chunk and decoding to the
+    split kernel. Read from the kernels the profiler saw launched."""
+    if not (torch.cuda.get_device_capability() == (9, 0) and
+            flashattn_ext.build_info().get("hopper_kernels") == "yes"):
+        pytest.skip("the dense chunk path needs the Hopper kernels")
+    case = next(c for c in LONG_CUDA_CASES if c.name == case_name)
+    inputs = make_inputs(case, torch.bfloat16, "cuda", 0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.func_kwargs(case))
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("attention_forward_sm90_kernel" in n for n in kernels) == dense, kernels
+    assert any("kvcache_forward_kernel" in n for n in kernels) == (not dense), kernels
 
 
 @pytest.mark.gpu

@@ -48,6 +48,9 @@ struct AttentionFwdParams {
   const int* cu_seqlens_k;
   const int* seqused_q;
   const int* seqused_k;
+  // Added to each seqused_k: the rows a KV-cache call appends (its seqused_k is
+  // cache_seqlens, the lengths before them); 0 elsewhere.
+  int seqused_k_add;
 
   float softmax_scale;
   float softmax_scale_log2;  // softmax_scale * log2(e)

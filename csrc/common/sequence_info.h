@@ -29,8 +29,8 @@ struct SequenceInfo {
   FLASHATTN_HOST_DEVICE SequenceInfo(const AttentionFwdParams& p, int b, bool dense = false)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), q_offset(0), k_offset(0) {
     if (dense) return;
-    side(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, p.rows_q, b, seqlen_q, q_offset);
-    side(p.cu_seqlens_k, p.seqused_k, p.seqlen_k, p.rows_k, b, seqlen_k, k_offset);
+    side(p.cu_seqlens_q, p.seqused_q, 0, p.seqlen_q, p.rows_q, b, seqlen_q, q_offset);
+    side(p.cu_seqlens_k, p.seqused_k, p.seqused_k_add, p.seqlen_k, p.rows_k, b, seqlen_k, k_offset);
   }
   // Whether a call has any per-sequence bound (else every kernel may take `dense`).
   FLASHATTN_HOST_DEVICE static bool has_sequence_bounds(const AttentionFwdParams& p) {
@@ -67,8 +67,8 @@ struct SequenceInfo {
 
  private:
   FLASHATTN_HOST_DEVICE static int clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
-  FLASHATTN_HOST_DEVICE static void side(const int* cu, const int* used, int max_len, int rows, int b,
-                                         int& len, int& offset) {
+  FLASHATTN_HOST_DEVICE static void side(const int* cu, const int* used, int used_add, int max_len, int rows,
+                                         int b, int& len, int& offset) {
     if (cu != nullptr) {
       offset = clamp(cu[b], 0, rows);
       len = clamp(cu[b + 1] - offset, 0, rows - offset);
@@ -76,7 +76,7 @@ struct SequenceInfo {
       offset = 0;
       len = rows;
     }
-    if (used != nullptr) len = clamp(used[b], 0, len);
+    if (used != nullptr) len = clamp(used[b] + used_add, 0, len);
     len = len < max_len ? len : max_len;
   }
 };

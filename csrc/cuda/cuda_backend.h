@@ -37,6 +37,10 @@ at::Tensor with_16_byte_rows(const at::Tensor& t);
 // never read or write outside the tensors whatever the values.
 bool host_value_checks_enabled();
 
+// The forward kernel of params' dtype, head-dim tile and score mod on `stream` (the
+// attention op's, and the KV-cache op's for long chunks on a contiguous cache).
+void run_forward_kernel(const AttentionFwdParams& params, const DeviceLimits& limits, cudaStream_t stream);
+
 // Error for a head_dim whose tile width this build did not compile.
 [[noreturn]] void fail_head_dim_not_compiled(int64_t head_dim);
 

@@ -29,6 +29,13 @@ struct ForwardLauncher {
 
 }  // namespace
 
+void run_forward_kernel(const AttentionFwdParams& params, const DeviceLimits& limits, cudaStream_t stream) {
+  cudaError_t status = cudaSuccess;
+  if (!dispatch_head_dim_tile(params.head_dim, ForwardLauncher{params, limits, stream}, &status))
+    fail_head_dim_not_compiled(params.head_dim);
+  check_cuda_status(status, "the forward kernel launch");
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS) {
   const AttentionOptions opts{softmax_scale, causal,  window_left, window_right,
                               softcap,       alibi_slopes, dropout_p, rng_state,
@@ -47,12 +54,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(FLASHATTN_FORWARD_ARGS
   }
   // Named, so that any copies outlive the kernel that reads them.
   const at::Tensor q_16 = with_16_byte_rows(q), k_16 = with_16_byte_rows(k), v_16 = with_16_byte_rows(v);
-  const AttentionFwdParams params = make_forward_params(q_16, k_16, v_16, out, lse, opts);
-  const ForwardLauncher launcher{params, device_limits(q), c10::cuda::getCurrentCUDAStream().stream()};
-  cudaError_t status = cudaSuccess;
-  if (!dispatch_head_dim_tile(params.head_dim, launcher, &status))
-    fail_head_dim_not_compiled(params.head_dim);
-  check_cuda_status(status, "the forward kernel launch");
+  run_forward_kernel(make_forward_params(q_16, k_16, v_16, out, lse, opts), device_limits(q),
+                     c10::cuda::getCurrentCUDAStream().stream());
   return {out, lse};
 }
 

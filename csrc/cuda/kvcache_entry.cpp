@@ -1,6 +1,7 @@
 // CUDA flash_attn_with_kvcache (attention_kvcache_forward): checks, then three launches on
 // the current stream: prepare (rotary, packed-GQA q, new rows into the cache), the
-// attention kernel of q's head-dim tile into split-KV partials, and the combine.
+// attention kernel of q's head-dim tile into split-KV partials, and the combine; or, for
+// a long chunk on a contiguous cache, prepare and the dense forward kernel.
 // Nothing here depends on tensor values (the number of splits and every size come from
 // shapes), so a decode step can be captured in a CUDA graph and replayed with new
 // cache_seqlens.
@@ -55,6 +56,36 @@ void check_cache_rows_aligned(const at::Tensor& cache, const char* name) {
 
 const int* int_data(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<int>() : nullptr; }
 
+// Chunked prefill on the Hopper (wgmma) forward: against a 32k cache (one batch entry, 32
+// query heads) it reads 354-654 TFLOP/s at chunks of 256-2048 rows where the split kernel's
+// mma.sync reads 245-260, but 178 against 220 at 128 rows, whose 32 tiles of 128 rows
+// leave most of the 132 SMs idle (benchmarks/RESULTS.md). So a chunk goes there when its
+// 128-row tiles number at least 3/8 of the SMs (50 of 132: between those 32 and the 64 of
+// 256 rows). The dense kernel takes the cache as k, v with seqused_k = cache_seqlens +
+// the appended rows, so only what that layout can say: a contiguous cache, batch entry b
+// in cache row b from row 0, q as given (rotary needs the prepare kernel's rotated copy).
+// num_splits does not apply.
+constexpr int64_t kDenseChunkTileRows = 128;
+
+bool chunk_runs_dense(const KvcacheOptions& opts, const KvcacheSizes& sizes, const DeviceLimits& limits) {
+  const int64_t tiles = sizes.batch * sizes.nheads_q * ((sizes.seqlen_q + kDenseChunkTileRows - 1) / kDenseChunkTileRows);
+  return limits.hopper_kernels && sizes.seqlen_q >= kDenseChunkTileRows && 8 * tiles >= 3 * limits.num_sms &&
+         !opts.paged() && !opts.cache_batch_idx.has_value() && !opts.cache_leftpad.has_value() &&
+         !opts.rotary_cos.has_value();
+}
+
+void run_dense_chunk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& out,
+                     const at::Tensor& lse, const KvcacheOptions& opts, int64_t seqlen_new, const DeviceLimits& limits,
+                     cudaStream_t stream) {
+  const AttentionOptions dense{opts.softmax_scale, opts.causal, opts.window_left, opts.window_right, opts.softcap,
+                               std::nullopt,       0.0,         std::nullopt,
+                               SequenceLayout{std::nullopt, std::nullopt, std::nullopt, opts.cache_seqlens},
+                               opts.learnable_sink};
+  AttentionFwdParams params = make_forward_params(q, k_cache, v_cache, out, lse, dense);
+  params.seqused_k_add = static_cast<int>(seqlen_new);
+  run_forward_kernel(params, limits, stream);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCACHE_FORWARD_ARGS) {
@@ -71,12 +102,13 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   const DeviceLimits limits = device_limits(q);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
 
+  const bool dense_chunk = chunk_runs_dense(opts, sizes, limits);
   const int group = static_cast<int>(sizes.nheads_q / sizes.nheads_kv);
   const int64_t packed_rows = sizes.seqlen_q * group;
   // The attention kernel reads q in place where its packed rows lie at one stride (one
   // query row: packed row r of KV head h is query head h * group + r; or one query head per
   // KV head); otherwise, and to rotate it, the prepare kernel writes a packed copy.
-  const bool copy_q = opts.rotary_cos.has_value() || (group > 1 && sizes.seqlen_q > 1);
+  const bool copy_q = !dense_chunk && (opts.rotary_cos.has_value() || (group > 1 && sizes.seqlen_q > 1));
   const at::Tensor q_read =
       copy_q ? at::empty({sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim}, q.options())
              : with_16_byte_rows(q);
@@ -129,12 +161,14 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   cudaError_t status = cudaSuccess;
   if (!dispatch_head_dim_tile(p.head_dim, KvcacheTileInfoReader{limits, p.packed_rows, &tile}, &status))
     fail_head_dim_not_compiled(p.head_dim);
-  p.num_splits = kvcache_num_splits(static_cast<int>(opts.num_splits), p.batch, p.nheads_kv, p.packed_rows,
-                                    p.seqlen_k, tile, limits.num_sms);
-  const at::Tensor out_partial =
-      at::empty({p.num_splits, sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim}, q.options().dtype(at::kFloat));
+  p.num_splits = dense_chunk ? 1
+                             : kvcache_num_splits(static_cast<int>(opts.num_splits), p.batch, p.nheads_kv,
+                                                  p.packed_rows, p.seqlen_k, tile, limits.num_sms);
+  const int64_t partial_splits = dense_chunk ? 0 : p.num_splits;
+  const at::Tensor out_partial = at::empty({partial_splits, sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim},
+                                           q.options().dtype(at::kFloat));
   const at::Tensor lse_partial =
-      at::empty({p.num_splits, sizes.batch, sizes.nheads_kv, packed_rows}, q.options().dtype(at::kFloat));
+      at::empty({partial_splits, sizes.batch, sizes.nheads_kv, packed_rows}, q.options().dtype(at::kFloat));
   p.out_partial = out_partial.data_ptr<float>();
   p.lse_partial = lse_partial.data_ptr<float>();
 
@@ -160,6 +194,10 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   }
   check_cuda_status(launch_kvcache_prepare(p, prep, stream), "the KV-cache prepare kernel launch");
   if (out.numel() == 0) return {out, lse};
+  if (dense_chunk) {
+    run_dense_chunk(q_read, k_cache, v_cache, out, lse, opts, sizes.seqlen_new, limits, stream);
+    return {out, lse};
+  }
   const KvcacheAttentionLauncher launcher{p, limits, stream};
   if (!dispatch_head_dim_tile(p.head_dim, launcher, &status)) fail_head_dim_not_compiled(p.head_dim);
   check_cuda_status(status, "the KV-cache attention kernel launch");
