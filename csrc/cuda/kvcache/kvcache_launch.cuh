@@ -17,13 +17,15 @@ namespace flashattn {
 // per head of the GQA group, so up to 32 query heads per KV head): 32-row tiles on 2 warps
 // and three 64-key stages, two thread blocks per SM. Each warp reads the whole K and V
 // block from shared memory, so 4 warps on 64 rows read 4 x the bytes the copy brought in,
-// and the third stage hides the block-table lookup in front of each paged copy (sweep of
-// 2026-12-04 in benchmarks/RESULTS.md: paged 3.0-3.2 -> 3.5-4.1 TB/s, contiguous the same
-// or better; 3 stages of 64 rows held one block per SM and read 2.5-2.9). Primary (longer
-// q: chunked prefill) keeps 64-row tiles and two stages, so K/V are re-read for fewer row
-// blocks. W = 192, 256: 32-key blocks on 64 rows for both (64 keys spilled). Fallback:
-// devices whose shared-memory opt-in is small (sm_86/89: 99 KB), 32-key blocks (16 at
-// W = 256) on 2 warps.
+// and the third stage hides the block-table lookup in front of each paged copy (sweeps of
+// 2026-12-04 in benchmarks/RESULTS.md, against 64 rows on 4 warps with two stages: W 128
+// paged 3.0-3.2 -> 3.5-4.1 TB/s, contiguous the same or better; W 64 +12-27 % contiguous,
+// +30-45 % paged; 3 stages of 64 rows held one block per SM and read 2.5-2.9). W = 192, 256
+// decode on 32 rows and 2 warps too, with 32 and 16 keys per block and two stages (+0-23 %
+// contiguous, +17-31 % paged; 64-key blocks spilled). Primary (longer q: chunked prefill)
+// keeps 64-row tiles, which re-read K/V for fewer row blocks (W = 192, 256: 32-key blocks,
+// 64 spilled). Fallback: devices whose shared-memory opt-in is small (sm_86/89: 99 KB),
+// 32-key blocks (16 at W = 256) on 2 warps.
 template <int W>
 struct KvcacheTilePlan {
   using Decode = ForwardTileShape<W, 32, 64, 2, W / 16, 3>;
@@ -33,18 +35,19 @@ struct KvcacheTilePlan {
 template <>
 struct KvcacheTilePlan<192> {
   using Primary = ForwardTileShape<192, 64, 32, 4>;
-  using Decode = Primary;
+  using Decode = ForwardTileShape<192, 32, 32, 2>;
   using Fallback = ForwardTileShape<192, 32, 32, 2>;
 };
 template <>
 struct KvcacheTilePlan<256> {  // the score loop half unrolled
   using Primary = ForwardTileShape<256, 64, 32, 4, 8>;
-  using Decode = Primary;
+  using Decode = ForwardTileShape<256, 32, 16, 2>;
   using Fallback = ForwardTileShape<256, 32, 16, 2>;
 };
 
 // softcap at W = 256: 16-key blocks (32 spilled: the tanh's operands on top of the plain
-// kernel's 255 registers). The split count is still chosen from the plain plan's tile.
+// kernel's 255 registers), 64 rows for decoding too (its 32-row decode tile is not
+// measured with softcap). The split count is still chosen from the plain plan's tile.
 template <int W, ScoreMod kMod>
 struct KvcacheVariantPlan : KvcacheTilePlan<W> {};
 template <>
