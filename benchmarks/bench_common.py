@@ -41,7 +41,7 @@ if str(REPO_ROOT) not in sys.path:
 STATUS_OK = "ok"
 STATUS_OOM = "OOM"
 STATUS_UNSUPPORTED = "—"
-STATUS_WRONG = "WRONG"          # ours failed its correctness check: no speed is posted
+STATUS_WRONG = "WRONG"          # failed its correctness check: no speed is posted
 STATUS_ERROR = "error"
 STATUS_SKIPPED = "skipped"      # not run because the script's time limit was reached
 
