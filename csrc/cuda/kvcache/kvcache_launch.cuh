@@ -17,15 +17,15 @@ namespace flashattn {
 // per head of the GQA group, so up to 32 query heads per KV head): 32-row tiles on 2 warps
 // and three 64-key stages, two thread blocks per SM. Each warp reads the whole K and V
 // block from shared memory, so 4 warps on 64 rows read 4 x the bytes the copy brought in,
-// and the third stage hides the block-table lookup in front of each paged copy (sweeps of
-// 2026-12-04 in benchmarks/RESULTS.md, against 64 rows on 4 warps with two stages: W 128
-// paged 3.0-3.2 -> 3.5-4.1 TB/s, contiguous the same or better; W 64 +4-27 % contiguous,
-// +9-47 % paged; 3 stages of 64 rows held one block per SM and read 2.5-2.9). W = 192, 256
-// decode on 32 rows and 2 warps too, with 32 and 16 keys per block and two stages (-1 to
-// +23 % contiguous, +17-33 % paged; 64-key blocks spilled). Primary (longer q: chunked prefill)
-// keeps 64-row tiles, which re-read K/V for fewer row blocks (W = 192, 256: 32-key blocks,
-// 64 spilled). Fallback: devices whose shared-memory opt-in is small (sm_86/89: 99 KB),
-// 32-key blocks (16 at W = 256) on 2 warps.
+// and the third stage hides the block-table lookup in front of each paged copy. Sweeps of
+// 2026-12-04 (benchmarks/RESULTS.md), against 64 rows on 4 warps with two stages: W 128
+// paged 2.8-3.2 -> 3.5-4.1 TB/s but at the smallest shape, contiguous -2 to +17 %; W 64
+// +4-27 % contiguous, +9-47 % paged; 3 stages of 64 rows held one block per SM and read
+// 2.5-2.9. W = 192, 256 decode on 32 rows and 2 warps too, with 32 and 16 keys per block
+// and two stages (-1 to +23 % contiguous, +17-33 % paged; 32 x 32 spilled at W 256).
+// Primary (longer q: chunked prefill) keeps 64-row tiles, which re-read K/V for fewer row
+// blocks (W = 192, 256: 32-key blocks, 64 spilled). Fallback: devices whose shared-memory
+// opt-in is small (sm_86/89: 99 KB), 32-key blocks (16 at W = 256) on 2 warps.
 template <int W>
 struct KvcacheTilePlan {
   using Decode = ForwardTileShape<W, 32, 64, 2, W / 16, 3>;
