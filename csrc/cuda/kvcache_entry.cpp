@@ -161,14 +161,14 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   cudaError_t status = cudaSuccess;
   if (!dispatch_head_dim_tile(p.head_dim, KvcacheTileInfoReader{limits, p.packed_rows, &tile}, &status))
     fail_head_dim_not_compiled(p.head_dim);
-  p.num_splits = dense_chunk ? 1
+  // A dense chunk runs no split kernel: no partials.
+  p.num_splits = dense_chunk ? 0
                              : kvcache_num_splits(static_cast<int>(opts.num_splits), p.batch, p.nheads_kv,
                                                   p.packed_rows, p.seqlen_k, tile, limits.num_sms);
-  const int64_t partial_splits = dense_chunk ? 0 : p.num_splits;
-  const at::Tensor out_partial = at::empty({partial_splits, sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim},
+  const at::Tensor out_partial = at::empty({p.num_splits, sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim},
                                            q.options().dtype(at::kFloat));
   const at::Tensor lse_partial =
-      at::empty({partial_splits, sizes.batch, sizes.nheads_kv, packed_rows}, q.options().dtype(at::kFloat));
+      at::empty({p.num_splits, sizes.batch, sizes.nheads_kv, packed_rows}, q.options().dtype(at::kFloat));
   p.out_partial = out_partial.data_ptr<float>();
   p.lse_partial = lse_partial.data_ptr<float>();
 
