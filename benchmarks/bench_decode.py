@@ -7,7 +7,10 @@ copy, counting read + write bytes), i.e. what a kernel that only streams memory 
 
 Ours runs flash_attn_with_kvcache (num_splits=0: its own heuristic) on a contiguous cache
 ("ours") and on paged caches whose pages are scattered by a random block table
-("ours_paged<page size>"); the peers run on contiguous K/V. Every implementation's output is
+("ours_paged<page size>"), and on a cache stored head-major, (batch, KV heads, keys, head_dim) in
+memory and passed as its (batch, keys, KV heads, head_dim) view ("ours_headmajor": the
+layout the SDPA peers read, and an inference engine's static cache); the peers run on
+contiguous K/V in their own layout. Every implementation's output is
 checked against an fp32 reference before it is timed (one that fails is not timed), and
 the table gives ours (contiguous) over the fastest peer.
 
@@ -40,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--copy-mib", type=int, default=None, help="size of the copy-bandwidth buffer")
     p.add_argument("--page-sizes", type=int, nargs="*", default=None,
                    help="paged caches timed for ours besides the contiguous one (64 256)")
+    p.add_argument("--head-major", action="store_true",
+                   help="also time ours on a head-major cache (the SDPA peers' layout)")
     p.add_argument("--max-kv-gib", type=float, default=24.0,
                    help="shapes whose K/V would take more are skipped (status 'skipped')")
     return p.parse_args(argv)
@@ -77,16 +82,25 @@ def make_sets(impl, shape, device, dtype, gen):
                               shape.nheads_kv, shape.head_dim, dtype, device, gen, with_dout=False)
 
 
-def as_cache(s, page_size, gen):
-    """Input set s as flash_attn_with_kvcache's arguments: the contiguous cache itself, or
-    (page_size) its pages scattered over a pool in a random order, with the block table
-    that finds them."""
+HEAD_MAJOR = "headmajor"
+
+
+def as_cache(s, cache, gen):
+    """Input set s as flash_attn_with_kvcache's arguments: the contiguous cache itself
+    (cache None), the same values stored head-major and passed as a (batch, keys, heads, d)
+    view (HEAD_MAJOR), or (cache = a page size) its pages scattered over a pool in a random
+    order, with the block table that finds them."""
     batch, kv_len = s.k.shape[:2]
     s.cache_seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device=s.k.device)
     s.block_table = None
-    if page_size is None:
+    if cache is None:
         s.k_cache, s.v_cache = s.k, s.v
         return s
+    if cache == HEAD_MAJOR:
+        s.k_cache, s.v_cache = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (s.k, s.v))
+        s.k = s.v = None
+        return s
+    page_size = cache
     pages_per_row = kv_len // page_size
     order = torch.randperm(batch * pages_per_row, generator=gen, device=s.k.device)
     s.block_table = order.view(batch, pages_per_row).to(torch.int32)
@@ -164,6 +178,7 @@ def plot(rows, copy_gbps, out_dir):
     for i, hkv in enumerate(kv_heads):
         for j, b in enumerate(batches):
             ax = axes[i][j]
+            plotted = False
             for name in impls:
                 pts = sorted((r["kv_len"], r["kv_gbps"]) for r in rows
                              if r["impl"] == name and r["batch"] == b and r["nheads_kv"] == hkv
@@ -174,8 +189,9 @@ def plot(rows, copy_gbps, out_dir):
                 style = dict(lw=2.5, color="black") if name == "ours" else dict(lw=1.2)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label,
                         **style)
+                plotted = plotted or bool(pts)
             ax.axhline(copy_gbps, ls="--", color="gray", lw=1, label="D2D copy")
-            if any(r["status"] == bc.STATUS_OK for r in rows):   # log scale needs data
+            if plotted:   # a log scale needs data (a shape skipped everywhere has none)
                 ax.set_xscale("log", base=2)
                 ax.xaxis.set_major_formatter(bc.plain_int_formatter())
             ax.set_title(f"batch {b}, kv heads {hkv}", fontsize=9)
@@ -224,16 +240,18 @@ def main(argv=None):
                           reason=f"K/V above --max-kv-gib {args.max_kv_gib}") for i in impls]
             continue
         variants = [(impl, None) for impl in impls]
-        variants[1:1] = [(impls[0], page) for page in args.page_sizes if shape.kv_len % page == 0]
-        for impl, page in variants:
-            name = impl.name if page is None else f"{impl.name}_paged{page}"
+        variants[1:1] = [(impls[0], page) for page in args.page_sizes if shape.kv_len % page == 0] + \
+            [(impls[0], HEAD_MAJOR)] * args.head_major
+        for impl, cache in variants:
+            name = impl.name if cache is None else impl.name + "_" + (
+                cache if cache == HEAD_MAJOR else f"paged{cache}")
             row = dict(base, impl=name, status=bc.STATUS_OK, reason="", time_us=None,
                        kv_gbps=None, fraction_of_copy_bw=None)
             try:
                 sets = make_sets(impl, shape, device, dtype, gen)
                 # A broken kernel must not post a speed: check on the first set.
                 if impl.is_ours:
-                    sets = [as_cache(s, page, gen) for s in sets]
+                    sets = [as_cache(s, cache, gen) for s in sets]
                     err, allowed, passed = check_ours(sets[0], shape.scale)
                     checks.append(dict(base, impl=name, passed=passed, ours_err_vs_fp32=err, allowed=allowed))
                 else:

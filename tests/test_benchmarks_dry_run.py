@@ -93,19 +93,22 @@ def test_run_all_preflight_finds_the_installed_package(tmp_path):
 
 
 def test_bench_decode_cpu_dry_run(tmp_path):
-    """flash_attn_with_kvcache on contiguous and paged caches and a peer, each checked before
-    it is timed."""
+    """flash_attn_with_kvcache on contiguous, head-major and paged caches and a peer, each
+    checked before it is timed."""
     proc = run([sys.executable, "benchmarks/bench_decode.py", "--quick", "--device", "cpu", "--batches", "2",
-                "--kv-lens", "256", "--kv-heads", "2", "--impls", "ours", "sdpa_math", "fa4",
+                "--kv-lens", "256", "--kv-heads", "2", "--impls", "ours", "sdpa_math", "fa4", "--head-major",
                 "--out", str(tmp_path / "out")], tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert "check ours b=2 kv=256 hkv=2:" in output and "check ours_paged16 b=2" in output
+    assert "check ours_headmajor b=2 kv=256 hkv=2:" in output
     assert "check sdpa_math b=2 kv=256 hkv=2:" in output and "ours / best peer" in output
     assert "FAILED" not in output
     table = (tmp_path / "out" / "decode.csv").read_text()
     assert table.count("ours_paged16") == 1
-    assert table.count("\nbf16,2,256,4,2,32,") == 4  # ours, paged, sdpa_math, fa4 (a row even where not installed)
+    assert table.count("ours_headmajor") == 1
+    # ours, paged, head-major, sdpa_math, fa4 (a row even where not installed)
+    assert table.count("\nbf16,2,256,4,2,32,") == 5
 
 
 def test_bench_prefill_cpu_dry_run(tmp_path):

@@ -27,15 +27,22 @@ int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows,
   const int64_t slots = int64_t(num_sms) * tile.blocks_per_sm;
   const int max_splits = std::min(kMaxSplits, key_blocks / 4);
   if (tiles == 0 || tiles * 5 >= slots * 4 || max_splits <= 1) return 1;
-  // The fraction of the last wave's slots that work: a grid of 1.1 waves runs as long as 2.
-  const auto wave_fill = [&](int splits) {
-    const double waves = double(tiles * splits) / double(slots);
-    return waves / std::ceil(waves);
+  constexpr double kBlockStartEnd = 2.0, kSmSaturatingBytes = 75.0 * 1024;
+  const auto sm_rate = [&](int64_t resident) {
+    return std::min(1.0, double(resident) * tile.bytes_in_flight / kSmSaturatingBytes);
   };
-  double best = 0.0;
-  for (int splits = 1; splits <= max_splits; ++splits) best = std::max(best, wave_fill(splits));
+  // The SM's blocks in waves of blocks_per_sm, a wave of k taking k blocks' reads at rate(k).
+  const auto modelled_time = [&](int splits) {
+    const int64_t blocks_on_sm = (tiles * splits + num_sms - 1) / num_sms;
+    const int64_t full_waves = blocks_on_sm / tile.blocks_per_sm, last = blocks_on_sm % tile.blocks_per_sm;
+    const double block_reads = full_waves * tile.blocks_per_sm / sm_rate(tile.blocks_per_sm) +
+                               (last > 0 ? last / sm_rate(last) : 0.0);
+    return block_reads * ((key_blocks + splits - 1) / splits + kBlockStartEnd);
+  };
+  double best = modelled_time(1);
+  for (int splits = 2; splits <= max_splits; ++splits) best = std::min(best, modelled_time(splits));
   for (int splits = 1; splits <= max_splits; ++splits)
-    if (wave_fill(splits) >= 0.85 * best) return splits;
+    if (modelled_time(splits) <= 1.05 * best) return splits;
   return 1;
 }
 

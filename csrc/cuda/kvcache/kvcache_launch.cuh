@@ -13,35 +13,39 @@
 
 namespace flashattn {
 
-// Decoding reads K and V once and computes little. Decode (packed rows <= 32: one query row
-// per head of the GQA group, so up to 32 query heads per KV head): 32-row tiles on 2 warps
-// and three 64-key stages, two thread blocks per SM. Each warp reads the whole K and V
-// block from shared memory, so 4 warps on 64 rows read 4 x the bytes the copy brought in,
-// and the third stage hides the block-table lookup in front of each paged copy. Sweeps of
-// 2026-12-04 (benchmarks/RESULTS.md), against 64 rows on 4 warps with two stages: W 128
-// paged 2.8-3.2 -> 3.5-4.1 TB/s but at the smallest shape, contiguous -2 to +17 %; W 64
-// +4-27 % contiguous, +9-47 % paged; 3 stages of 64 rows held one block per SM and read
-// 2.5-2.9. W = 192, 256 decode on 32 rows and 2 warps too, with 32 and 16 keys per block
-// and two stages (-1 to +23 % contiguous, +17-33 % paged; 32 x 32 spilled at W 256).
-// Primary (longer q: chunked prefill) keeps 64-row tiles, which re-read K/V for fewer row
-// blocks (W = 192, 256: 32-key blocks, 64 spilled). Fallback: devices whose shared-memory
-// opt-in is small (sm_86/89: 99 KB), 32-key blocks (16 at W = 256) on 2 warps.
+// Decoding reads K and V once and computes little; the tile's job is to keep the copy
+// going. Decode (packed rows <= 16: a query row per head of the GQA group): one m16 tile
+// of rows on 4 warps that split each key block (16 keys each at W <= 192), three 64-key
+// stages (two at W = 192), two blocks per SM (W = 256 keeps the ShortQuery tile: 16 rows
+// on 2 warps splitting 32 keys spilled). Split over keys, no warp reads another's K and V
+// from shared memory or computes rows another one also computes, as in cuDNN's decoding
+// kernel (16 rows, 128 keys, 4 warps); against the 32-row, 2-warp tile it read 1-3 % more
+// at d 128 (one build, A/B, 2026-12-04; W = 64 and 192 were timed only together with that
+// day's other decoding changes, RESULTS.md).
+// ShortQuery (packed rows <= 32: a few queries per head, or 32 query heads per KV head)
+// keeps that 32-row tile on 2 warps with three 64-key stages. Primary (longer q: chunked
+// prefill) keeps 64-row tiles, which re-read K/V for fewer row blocks (W = 192, 256:
+// 32-key blocks, 64 spilled). Fallback: devices whose shared-memory opt-in is small
+// (sm_86/89: 99 KB), 32-key blocks (16 at W = 256) on 2 warps.
 template <int W>
 struct KvcacheTilePlan {
-  using Decode = ForwardTileShape<W, 32, 64, 2, W / 16, 3>;
+  using Decode = ForwardTileShape<W, 16, 64, 4, W / 16, 3, 4>;
+  using ShortQuery = ForwardTileShape<W, 32, 64, 2, W / 16, 3>;
   using Primary = ForwardTileShape<W, 64, 64, 4>;
   using Fallback = ForwardTileShape<W, 32, 32, 2>;
 };
 template <>
 struct KvcacheTilePlan<192> {
+  using Decode = ForwardTileShape<192, 16, 64, 4, 12, 2, 4>;
+  using ShortQuery = ForwardTileShape<192, 32, 32, 2>;
   using Primary = ForwardTileShape<192, 64, 32, 4>;
-  using Decode = ForwardTileShape<192, 32, 32, 2>;
   using Fallback = ForwardTileShape<192, 32, 32, 2>;
 };
 template <>
 struct KvcacheTilePlan<256> {  // the score loop half unrolled
-  using Primary = ForwardTileShape<256, 64, 32, 4, 8>;
   using Decode = ForwardTileShape<256, 32, 16, 2>;
+  using ShortQuery = Decode;
+  using Primary = ForwardTileShape<256, 64, 32, 4, 8>;
   using Fallback = ForwardTileShape<256, 32, 16, 2>;
 };
 
@@ -54,6 +58,7 @@ template <>
 struct KvcacheVariantPlan<256, ScoreMod::kSoftcap> {
   using Primary = ForwardTileShape<256, 64, 16, 4>;
   using Decode = Primary;
+  using ShortQuery = Primary;
   using Fallback = ForwardTileShape<256, 32, 16, 2>;
 };
 
@@ -62,6 +67,8 @@ template <typename Plan, typename F>
 auto with_kvcache_tile(const DeviceLimits& limits, int packed_rows, const F& f) {
   if (packed_rows <= Plan::Decode::kBlockM && Plan::Decode::kSmemBytes <= limits.max_smem_per_block)
     return f(typename Plan::Decode{});
+  if (packed_rows <= Plan::ShortQuery::kBlockM && Plan::ShortQuery::kSmemBytes <= limits.max_smem_per_block)
+    return f(typename Plan::ShortQuery{});
   if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block) return f(typename Plan::Primary{});
   return f(typename Plan::Fallback{});
 }
@@ -76,7 +83,8 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows) {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Shape::kThreads, Shape::kSmemBytes) !=
             cudaSuccess)
       blocks = 1;
-    return KvcacheTileInfo{Shape::kBlockM, Shape::kBlockN, blocks > 0 ? blocks : 1};
+    return KvcacheTileInfo{Shape::kBlockM, Shape::kBlockN, blocks > 0 ? blocks : 1,
+                           (Shape::kStages - 1) * 2 * Shape::KVTile::kBytes};
   });
 }
 

@@ -13,10 +13,11 @@
 namespace flashattn {
 
 // The tile the attention kernel of width W runs on this device for this many packed rows
-// (a query row of each query head of a KV head's group), and how many of its thread blocks
-// an SM holds at once.
+// (a query row of each query head of a KV head's group), how many of its thread blocks
+// an SM holds at once, and how many bytes of K and V one of them has in flight while it
+// computes (the stages past the one it reads).
 struct KvcacheTileInfo {
-  int block_m, block_n, blocks_per_sm;
+  int block_m, block_n, blocks_per_sm, bytes_in_flight;
 };
 template <int W>
 KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
@@ -24,9 +25,13 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
 // The splits of the key blocks for a call whose shapes are these (never its values, so a
 // captured CUDA graph stays right when cache_seqlens changes): `requested` > 0 is taken
 // (at most one split per key block of the cache's capacity, at most 128); 0 keeps one
-// split when the tiles already fill the device, else takes the fewest splits whose grid
-// fills the SMs' block slots in whole waves (within 85 % of the best such fill), each
-// split at least four key blocks long.
+// split when the tiles already fill the device, else takes the fewest splits (each at
+// least four key blocks long) within 5 % of the least modelled time. The model: a call
+// lasts as long as its busiest SM, which reads its thread blocks' key blocks (plus 2 for
+// a block's start and end) in waves of as many as it holds, at a rate that grows with the
+// bytes the wave's blocks have in flight up to the SM's share of DRAM, reached at about 75 KB (decoding, H200, 2026-12-04:
+// one d 128 block with 70 KB in flight read 7 % slower than two; d 256 blocks with 17 KB
+// each needed four).
 int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows,
                        const KvcacheTileInfo& tile, int num_sms);
 

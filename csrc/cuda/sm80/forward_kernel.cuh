@@ -17,6 +17,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
     attention_forward_kernel(const __grid_constant__ AttentionFwdParams params) {
   using QTile = typename Shape::QTile;
   using KVTile = typename Shape::KVTile;
+  // Every warp starts its rows at the sink: warps that split the keys would count it twice.
+  static_assert(Shape::kKeyWarps == 1, "the attention kernel's warps own whole rows");
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t q_smem = smem_address(smem);
 

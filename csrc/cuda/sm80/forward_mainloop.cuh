@@ -12,7 +12,11 @@
 //
 // Warps split the query rows: each of the kWarps warps owns kBlockM / kWarps rows (one or
 // two m16 tiles) across the whole key block and the whole head dimension, so the softmax
-// row reductions stay inside a quad of lanes (no shared memory).
+// row reductions stay inside a quad of lanes (no shared memory). A decoding tile has one
+// m16 tile of rows, mostly empty, and is bound by the copy: there kKeyWarps warps split
+// each key block instead (all rows, kBlockN / kKeyWarps keys each), so no warp reads
+// another's K and V from shared memory, and their row states are merged once at the end
+// (key_split_merge.cuh).
 //
 // Pipeline: K and V blocks rotate through kStages shared-memory stages, so the copy of
 // the next block runs under the whole S = Q K^T, softmax, P V of this one. Q stays in
@@ -41,7 +45,7 @@ namespace flashattn {
 // warp that can exhaust the 255 registers, and a partly rolled loop costs only
 // an address add per step.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kScoreKUnroll_ = kHeadDim_ / 16,
-          int kStages_ = 2>
+          int kStages_ = 2, int kKeyWarps_ = 1>
 struct ForwardTileShape {
   static constexpr int kScoreKUnroll = kScoreKUnroll_;
   static constexpr int kHeadDim = kHeadDim_;  // compiled width W (>= the problem's head_dim)
@@ -49,10 +53,15 @@ struct ForwardTileShape {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kRowsPerWarp = kBlockM / kWarps;
+  static constexpr int kKeyWarps = kKeyWarps_;  // warps sharing rows, each with its own keys of a block
+  static constexpr int kRowsPerWarp = kBlockM / (kWarps / kKeyWarps);
+  static constexpr int kWarpKeys = kBlockN / kKeyWarps;
   static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
-  static constexpr int kNTiles = kBlockN / 8;        // n8 tiles of S per m16 tile
+  static constexpr int kNTiles = kWarpKeys / 8;      // n8 tiles of S per m16 tile
   static constexpr int kDTiles = kHeadDim / 8;       // n8 tiles of O per m16 tile
+  // A warp's first row in the tile, and its first key in each key block.
+  __device__ __forceinline__ static int warp_row(int warp) { return warp / kKeyWarps * kRowsPerWarp; }
+  __device__ __forceinline__ static int warp_key(int warp) { return warp % kKeyWarps * kWarpKeys; }
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KVTile = SmemTile<kBlockN, kHeadDim>;
   // K/V stages: with two, the copy of block j+1 has all of block j's compute to land in,
@@ -61,7 +70,8 @@ struct ForwardTileShape {
   static constexpr int kStages = kStages_;
   static constexpr int kSmemBytes = QTile::kBytes + kStages * 2 * KVTile::kBytes;
   static_assert(kRowsPerWarp % 16 == 0 && kMTiles >= 1, "each warp owns whole m16 tiles");
-  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "mma k-steps are 16 wide");
+  static_assert(kWarps % kKeyWarps == 0, "key-splitting warps come in whole groups");
+  static_assert(kWarpKeys % 16 == 0 && kHeadDim % 16 == 0, "mma k-steps are 16 wide");
   static_assert(kStages >= 2, "the loop issues a block's copy while it computes the one before");
 };
 
@@ -131,7 +141,7 @@ __device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& l
   const int a_row = lane % 16, a_col = (lane / 16) * 8;                          // A: Q
   const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;  // B: K rows
   const int vt_row = (lane % 8) + ((lane / 8) % 2) * 8, vt_col = (lane / 16) * 8;  // B: V^T
-  const int warp_row = warp * Shape::kRowsPerWarp;
+  const int warp_row = Shape::warp_row(warp), warp_key = Shape::warp_key(warp);
 
   for (int it = 0; it < num_blocks; ++it) {
     const int n_block = n_block_last - it;
@@ -167,7 +177,7 @@ __device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& l
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         uint32_t b[4];
-        ldmatrix_x4(b, KVTile::address(k_stage, np * 16 + b_row, ks * 16 + b_col));
+        ldmatrix_x4(b, KVTile::address(k_stage, warp_key + np * 16 + b_row, ks * 16 + b_col));
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           Mma::mma(acc_s[mt][2 * np], a[mt], b[0], b[1]);
@@ -176,8 +186,8 @@ __device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& l
       }
     }
 
-    const int n_begin = n_block * kBlockN;
-    if (mask.tile_fully_visible(m_begin, m_begin + kBlockM, n_begin, n_begin + kBlockN))
+    const int n_begin = n_block * kBlockN + warp_key;
+    if (mask.tile_fully_visible(m_begin, m_begin + kBlockM, n_begin, n_begin + Shape::kWarpKeys))
       softmax_update<false>(acc_s, acc_o, row_max, row_sum, score_transform(), mask, m_begin + warp_row, n_begin,
                             lane);
     else
@@ -187,14 +197,14 @@ __device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& l
 
     // O += P V, P from the S accumulators (two n8 tiles = one k16 A fragment).
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    for (int kk = 0; kk < Shape::kWarpKeys / 16; ++kk) {
       uint32_t p[kMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) accumulator_as_a<Element>(p[mt], acc_s[mt], kk);
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, KVTile::address(v_stage, kk * 16 + vt_row, dp * 16 + vt_col));
+        ldmatrix_x4_trans(b, KVTile::address(v_stage, warp_key + kk * 16 + vt_row, dp * 16 + vt_col));
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           Mma::mma(acc_o[mt][2 * dp], p[mt], b[0], b[1]);

@@ -2,13 +2,15 @@
 // kBlockM packed-GQA rows of one (batch entry, KV head) (kvcache/kvcache_block.cuh), so K
 // and V are read once for every query head that shares them, runs the forward main loop
 // (forward_mainloop.cuh) over its split of the cache's key blocks, contiguous or paged,
-// and writes fp32 partial O and lse for the combine kernel to merge and unpack.
+// and writes fp32 partial O and lse for the combine kernel to merge and unpack. A decoding
+// tile's warps split each key block (key_split_merge.cuh).
 #pragma once
 
 #include "common/kvcache_params.h"
 #include "cuda/common/forward_epilogue.cuh"
 #include "cuda/kvcache/kvcache_block.cuh"
 #include "cuda/sm80/forward_mainloop.cuh"
+#include "cuda/sm80/key_split_merge.cuh"
 
 namespace flashattn {
 
@@ -55,10 +57,13 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       [&] { return ScoreTransform<kMod>(params, blk.batch, blk.kv_head); }, [](auto&, int, int) {}, blk.m_begin,
       blk.n_block_first, blk.n_block_last, state);
 
+  static_assert(kKeySplitMergeBytes<Shape> <= Shape::kStages * 2 * KVTile::kBytes,
+                "the merge reuses the K/V stages");
+  if (!merge_key_split_warps(state, reinterpret_cast<float*>(smem + QTile::kBytes))) return;
   const int64_t partial_row = blk.partial_row(params);
   store_forward_rows<float>(state.acc_o, state.row_max, state.row_sum,
                             params.out_partial + partial_row * params.head_dim, params.head_dim,
-                            params.lse_partial + partial_row, warp * Shape::kRowsPerWarp, blk.valid_rows,
+                            params.lse_partial + partial_row, Shape::warp_row(warp), blk.valid_rows,
                             params.head_dim, lane, -INFINITY);
 }
 
