@@ -29,9 +29,9 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
 // least four key blocks long) within 5 % of the least modelled time. The model: a call
 // lasts as long as its busiest SM, which reads its thread blocks' key blocks (plus 2 for
 // a block's start and end) in waves of as many as it holds, at a rate that grows with the
-// bytes the wave's blocks have in flight up to the SM's share of DRAM, reached at about 75 KB (decoding, H200, 2026-12-04:
-// one d 128 block with 70 KB in flight read 7 % slower than two; d 256 blocks with 17 KB
-// each needed four).
+// bytes the wave's blocks have in flight up to the SM's share of DRAM, reached at about
+// 75 KB (decoding, H200, 2026-12-04: one d 128 block with 70 KB in flight read 7 % slower
+// than two; d 256 blocks with 17 KB each needed four).
 int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows,
                        const KvcacheTileInfo& tile, int num_sms);
 

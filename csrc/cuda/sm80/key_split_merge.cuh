@@ -16,7 +16,8 @@ namespace flashattn {
 template <typename Shape>
 inline constexpr int kKeySplitMergeBytes =
     Shape::kKeyWarps == 1 ? 0
-                          : Shape::kWarps * (Shape::kMTiles * 2 + Shape::kMTiles * Shape::kDTiles * 4 + Shape::kMTiles * 2) *
+                          : Shape::kWarps * (/* maxes */ Shape::kMTiles * 2 +
+                                             /* O, sums */ Shape::kMTiles * Shape::kDTiles * 4 + Shape::kMTiles * 2) *
                                 32 * int(sizeof(float));
 
 // After forward_mainloop (all of whose copies have landed): rescales every warp's state to
