@@ -11,18 +11,19 @@
 
 namespace flashattn {
 
-// Shared memory the merge takes (from the start of `scratch`): each warp's row maxes,
-// then each warp's O accumulator and row sums.
+// The merge's shared memory (from the start of `scratch`), per warp and lane: its row
+// maxes, then its O accumulator and row sums.
 template <typename Shape>
-inline constexpr int kKeySplitMergeBytes =
-    Shape::kKeyWarps == 1 ? 0
-                          : Shape::kWarps * (/* maxes */ Shape::kMTiles * 2 +
-                                             /* O, sums */ Shape::kMTiles * Shape::kDTiles * 4 + Shape::kMTiles * 2) *
-                                32 * int(sizeof(float));
+struct KeySplitMergeLayout {
+  static constexpr int kMaxes = Shape::kMTiles * 2;
+  static constexpr int kPartials = Shape::kMTiles * Shape::kDTiles * 4 + Shape::kMTiles * 2;
+  static constexpr int kBytes =
+      Shape::kKeyWarps == 1 ? 0 : Shape::kWarps * (kMaxes + kPartials) * 32 * int(sizeof(float));
+};
 
 // After forward_mainloop (all of whose copies have landed): rescales every warp's state to
 // the group's common row max and adds the group into its first warp. Returns whether this
-// warp holds merged rows (the one to write them). `scratch`: kKeySplitMergeBytes
+// warp holds merged rows (the one to write them). `scratch`: KeySplitMergeLayout::kBytes
 // of shared memory no warp reads any more (the K/V stages). Lanes meet lanes of the same
 // index in the other warps: the accumulator fragments are laid out alike in every warp.
 template <typename Shape>
@@ -31,7 +32,7 @@ __device__ __forceinline__ bool merge_key_split_warps(ForwardRowState<Shape>& st
   if constexpr (kKeyWarps == 1) {
     return true;
   } else {
-    constexpr int kMaxes = kMTiles * 2, kPartials = kMTiles * kDTiles * 4 + kMTiles * 2;
+    constexpr int kMaxes = KeySplitMergeLayout<Shape>::kMaxes, kPartials = KeySplitMergeLayout<Shape>::kPartials;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int first = warp - warp % kKeyWarps;
     float* maxes = scratch;                                      // [warp][mt, h][lane]
@@ -47,12 +48,12 @@ __device__ __forceinline__ bool merge_key_split_warps(ForwardRowState<Shape>& st
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float group_max = state.row_max[mt][h];
+        const float mine = state.row_max[mt][h];
+        float group_max = mine;
 #pragma unroll
         for (int w = 0; w < kKeyWarps; ++w)
           group_max = fmaxf(group_max, maxes[((first + w) * kMaxes + mt * 2 + h) * 32 + lane]);
         // A warp that saw no key of the row holds zeros: scale 0, never exp2(-inf - -inf).
-        const float mine = state.row_max[mt][h];
         scales[mt][h] = mine == -INFINITY ? 0.f : exp2f(mine - group_max);
         state.row_max[mt][h] = group_max;
         state.row_sum[mt][h] *= scales[mt][h];

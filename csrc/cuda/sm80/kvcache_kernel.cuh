@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       [&] { return ScoreTransform<kMod>(params, blk.batch, blk.kv_head); }, [](auto&, int, int) {}, blk.m_begin,
       blk.n_block_first, blk.n_block_last, state);
 
-  static_assert(kKeySplitMergeBytes<Shape> <= Shape::kStages * 2 * KVTile::kBytes,
+  static_assert(KeySplitMergeLayout<Shape>::kBytes <= Shape::kStages * 2 * KVTile::kBytes,
                 "the merge reuses the K/V stages");
   if (!merge_key_split_warps(state, reinterpret_cast<float*>(smem + QTile::kBytes))) return;
   const int64_t partial_row = blk.partial_row(params);
