@@ -345,6 +345,51 @@ def measure(fn: Callable[[Any], Any], sets: Sequence[Any], device: torch.device,
     return Timing(statistics.median(times), min(times), reps, n)
 
 
+def measure_graph_replays(fn: Callable[[Any], Any], sets: Sequence[Any], device: torch.device,
+                          cfg: TimingConfig) -> Timing:
+    """Median GPU time of fn(set), from replays of one CUDA graph that calls fn on each set
+    in turn.
+
+    What a decoding engine sees (it replays its step as a graph): the kernels back to back,
+    without the host's launch and dispatch time, which at a few tens of microseconds per
+    call is longer than the kernels of a small decode and would otherwise be what `measure`
+    times. CUDA only; fn must be capturable.
+    """
+    if not is_cuda(device):
+        raise NotImplementedError("CUDA-graph timing needs a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+        for i in range(max(cfg.warmup, 1)):
+            fn(sets[i % len(sets)])
+    torch.cuda.current_stream(device).wait_stream(side)
+    # At least 16 calls per graph: a replay's own start (several microseconds) must not
+    # weigh on a call of a hundred.
+    calls = len(sets) * math.ceil(16 / len(sets))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(sets[i % len(sets)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    t_est = start.elapsed_time(end)
+    reps = int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget_ms / max(t_est, 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    times = [s.elapsed_time(e) / calls for s, e in events]
+    del graph
+    return Timing(statistics.median(times), min(times), reps, len(sets))
+
+
 def classify_failure(exc: BaseException) -> tuple[str, str]:
     """(status, reason) for an exception raised by one implementation on one shape.
     Only failures that mean "this implementation can't run this shape" are caught by the

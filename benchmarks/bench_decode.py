@@ -5,6 +5,11 @@ merit is the achieved bandwidth of that read, GB/s = bytes(K) + bytes(V) / time,
 the copy bandwidth of the same card measured in the same run (a large device-to-device
 copy, counting read + write bytes), i.e. what a kernel that only streams memory gets.
 
+Each call is timed eagerly (CUDA events around each call: at batch 1 and a few thousand
+keys that is mostly the host's launch time, for every implementation) or, with
+--cuda-graph, as replays of a CUDA graph of the calls, as a decoding engine runs its step:
+the kernels' own time.
+
 Ours runs flash_attn_with_kvcache (num_splits=0: its own heuristic) on a contiguous cache
 ("ours") and on paged caches whose pages are scattered by a random block table
 ("ours_paged<page size>"), and on a cache stored head-major, (batch, KV heads, keys, head_dim) in
@@ -45,6 +50,10 @@ def parse_args(argv=None):
                    help="paged caches timed for ours besides the contiguous one (64 256)")
     p.add_argument("--head-major", action="store_true",
                    help="also time ours on a head-major cache (the SDPA peers' layout)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time replays of a CUDA graph of the calls (the kernels' time, as a decoding "
+                        "engine replays its step) instead of eager calls (which include the host's "
+                        "launch time)")
     p.add_argument("--max-kv-gib", type=float, default=24.0,
                    help="shapes whose K/V would take more are skipped (status 'skipped')")
     return p.parse_args(argv)
@@ -52,6 +61,8 @@ def parse_args(argv=None):
 
 def apply_defaults(args, device):
     cpu = device.type == "cpu"
+    if cpu and args.cuda_graph:
+        raise SystemExit("--cuda-graph times CUDA-graph replays: it needs --device cuda")
     if args.batches is None:
         args.batches = [1, 2] if cpu else [1, 8, 64]
     if args.kv_lens is None:
@@ -157,12 +168,13 @@ def check_peer(impl, s, scale):
     return check_batch_entry_0(to_bhsd(out), *(to_bhsd(t[:1]) for t in (s.q, s.k, s.v)), scale)
 
 
-def time_decode(impl, sets, shape, device, tcfg):
+def time_decode(impl, sets, shape, device, tcfg, cuda_graph):
     scale = shape.scale
+    measure = bc.measure_graph_replays if cuda_graph else bc.measure
     with torch.no_grad(), impl.context():
         if impl.is_ours:
-            return bc.measure(lambda s: ours_decode(s, scale), sets, device, tcfg)
-        return bc.measure(lambda s: impl.forward(s.q, s.k, s.v, False, scale), sets, device, tcfg)
+            return measure(lambda s: ours_decode(s, scale), sets, device, tcfg)
+        return measure(lambda s: impl.forward(s.q, s.k, s.v, False, scale), sets, device, tcfg)
 
 
 def plot(rows, copy_gbps, out_dir):
@@ -245,7 +257,8 @@ def main(argv=None):
         for impl, cache in variants:
             name = impl.name if cache is None else impl.name + "_" + (
                 cache if cache == HEAD_MAJOR else f"paged{cache}")
-            row = dict(base, impl=name, status=bc.STATUS_OK, reason="", time_us=None,
+            row = dict(base, impl=name, timing="cuda graph" if args.cuda_graph else "eager",
+                       status=bc.STATUS_OK, reason="", time_us=None,
                        kv_gbps=None, fraction_of_copy_bw=None)
             try:
                 sets = make_sets(impl, shape, device, dtype, gen)
@@ -262,7 +275,7 @@ def main(argv=None):
                 if not passed:
                     row.update(status=bc.STATUS_WRONG, reason=f"max err {err:.2e} > {allowed:.2e}")
                     raise _NotTimed()
-                timing = time_decode(impl, sets, shape, device, tcfg)
+                timing = time_decode(impl, sets, shape, device, tcfg, args.cuda_graph)
                 gbps = kv_bytes / (timing.median_ms * 1e-3) / 1e9
                 row.update(time_us=timing.median_ms * 1e3, reps=timing.reps,
                            rotation_sets=timing.rotation_sets, kv_gbps=gbps,
@@ -290,7 +303,8 @@ def main(argv=None):
         if peers and group.get("ours", {}).get("status") == bc.STATUS_OK:
             line["ours / best peer"] = f"{group['ours']['kv_gbps'] / max(peers):.2f}"
         table.append(line)
-    print(bc.format_table(table, title=f"\nDecoding, d={args.head_dim}, {args.nheads} query heads; "
+    print(bc.format_table(table, title=f"\nDecoding, d={args.head_dim}, {args.nheads} query heads, "
+                          f"{'CUDA-graph replays' if args.cuda_graph else 'eager calls'}; "
                           f"copy bandwidth {copy_gbps:.0f} GB/s"))
     plots = plot(rows, copy_gbps, out_dir)
     ok = [r for r in rows if r["impl"].startswith("ours") and r["status"] == bc.STATUS_OK]

@@ -111,6 +111,13 @@ def test_bench_decode_cpu_dry_run(tmp_path):
     assert table.count("\nbf16,2,256,4,2,32,") == 5
 
 
+def test_bench_decode_cuda_graph_needs_cuda(tmp_path):
+    proc = run([sys.executable, "benchmarks/bench_decode.py", "--quick", "--device", "cpu", "--cuda-graph",
+                "--out", str(tmp_path / "out")], tmp_path)
+    assert proc.returncode != 0
+    assert "--cuda-graph times CUDA-graph replays: it needs --device cuda" in proc.stderr
+
+
 def test_bench_prefill_cpu_dry_run(tmp_path):
     proc = run([sys.executable, "benchmarks/bench_prefill.py", "--quick", "--device", "cpu",
                 "--out", str(tmp_path / "out")], tmp_path)
