@@ -105,11 +105,17 @@ struct CacheSequence {
   // (not from leftpad): the prepare kernel writes new rows there.
   template <typename T>
   FLASHATTN_HOST_DEVICE T* cache_element(T* base, const TensorStrides& s, int head, int row) const {
-    if (pages != nullptr) {
-      const int page = clamp(pages[clamp(row / page_size, 0, pages_per_row - 1)], 0, num_pages - 1);
-      return base + int64_t(page) * s.batch + int64_t(row % page_size) * s.row + int64_t(head) * s.head;
-    }
+    if (pages != nullptr) return paged_element(base, s, head, page_of(row), row);
     return base + int64_t(cache_row) * s.batch + int64_t(row) * s.row + int64_t(head) * s.head;
+  }
+  // The page that holds row (counted as in cache_element) of a paged cache, and the element
+  // there: the lookup split from the address so a kernel can read it ahead.
+  FLASHATTN_HOST_DEVICE int page_of(int row) const {
+    return clamp(pages[clamp(row / page_size, 0, pages_per_row - 1)], 0, num_pages - 1);
+  }
+  template <typename T>
+  FLASHATTN_HOST_DEVICE T* paged_element(T* base, const TensorStrides& s, int head, int page, int row) const {
+    return base + int64_t(page) * s.batch + int64_t(row % page_size) * s.row + int64_t(head) * s.head;
   }
   // Key j of the sequence.
   template <typename T>

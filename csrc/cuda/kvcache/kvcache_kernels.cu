@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "cuda/common/kernel_launch.cuh"
@@ -19,7 +20,7 @@ int64_t blocks_for_rows(int64_t rows) { return (rows + kRowsPerBlock - 1) / kRow
 
 }  // namespace
 
-int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows,
+int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows, bool paged,
                        const KvcacheTileInfo& tile, int num_sms) {
   const int key_blocks = std::max(1, (cache_rows + tile.block_n - 1) / tile.block_n);
   if (requested > 0) return std::min({requested, key_blocks, kMaxSplits});
@@ -27,9 +28,10 @@ int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows,
   const int64_t slots = int64_t(num_sms) * tile.blocks_per_sm;
   const int max_splits = std::min(kMaxSplits, key_blocks / 4);
   if (tiles == 0 || tiles * 5 >= slots * 4 || max_splits <= 1) return 1;
-  constexpr double kBlockStartEnd = 2.0, kSmSaturatingBytes = 75.0 * 1024;
+  constexpr double kBlockStartEnd = 2.0, kSmSaturatingBytes = 75.0 * 1024, kPagedInFlightShare = 0.8;
+  const double block_in_flight = tile.bytes_in_flight * (paged ? kPagedInFlightShare : 1.0);
   const auto sm_rate = [&](int64_t resident) {
-    return std::min(1.0, double(resident) * tile.bytes_in_flight / kSmSaturatingBytes);
+    return std::min(1.0, double(resident) * block_in_flight / kSmSaturatingBytes);
   };
   // The SM's blocks in waves of blocks_per_sm, a wave of k taking k blocks' reads at rate(k).
   const auto modelled_time = [&](int splits) {
@@ -63,10 +65,16 @@ cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePr
 cudaError_t launch_kvcache_combine(const KvcacheFwdParams& params, cudaStream_t stream) {
   const int64_t rows = int64_t(params.batch) * params.nheads_kv * params.packed_rows;
   if (rows == 0) return cudaSuccess;
-  if (params.num_splits > kMaxSplits || params.head_dim > kCombineMaxHeadDim) return cudaErrorInvalidValue;
-  return params.is_bf16
-             ? launch_on_flat_grid(kvcache_combine_kernel<__nv_bfloat16>, rows, 32 * kCombineWarps, 0, stream, params)
-             : launch_on_flat_grid(kvcache_combine_kernel<__half>, rows, 32 * kCombineWarps, 0, stream, params);
+  if (params.num_splits > kMaxSplits || params.head_dim > kCombineMaxHeadDim || rows > INT_MAX)
+    return cudaErrorInvalidValue;
+  const auto launch = [&](auto element) {
+    using Element = decltype(element);
+    const auto kernel = params.head_dim <= 64    ? kvcache_combine_kernel<Element, 1>
+                        : params.head_dim <= 128 ? kvcache_combine_kernel<Element, 2>
+                                                 : kvcache_combine_kernel<Element, 4>;
+    return launch_dependent(kernel, static_cast<unsigned>(rows), 32 * kCombineWarps, stream, params);
+  };
+  return params.is_bf16 ? launch(__nv_bfloat16{}) : launch(__half{});
 }
 
 }  // namespace flashattn

@@ -31,8 +31,10 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
 // a block's start and end) in waves of as many as it holds, at a rate that grows with the
 // bytes the wave's blocks have in flight up to the SM's share of DRAM, reached at about
 // 75 KB (decoding, H200, 2026-12-04: one d 128 block with 70 KB in flight read 7 % slower
-// than two; d 256 blocks with 17 KB each needed four).
-int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows,
+// than two; d 256 blocks with 17 KB each needed four). A block of a paged cache counts
+// a fifth less in flight: alone on its SM it read 15-18 % slower than on a contiguous cache
+// (its page lookups, 31 % more instructions), two per SM as fast (2026-12-04).
+int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows, bool paged,
                        const KvcacheTileInfo& tile, int num_sms);
 
 // Rotary embedding and the packed-GQA copy of q; the new rows into the cache.

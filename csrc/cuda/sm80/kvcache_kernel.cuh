@@ -7,6 +7,7 @@
 #pragma once
 
 #include "common/kvcache_params.h"
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/forward_epilogue.cuh"
 #include "cuda/kvcache/kvcache_block.cuh"
 #include "cuda/sm80/forward_mainloop.cuh"
@@ -34,28 +35,50 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     QTile::template load_async<Shape::kThreads>(smem_q, q_ptr, params.q_strides.row, blk.valid_rows,
                                                 params.head_dim, thread);
   };
-  // A key block within one run of rows (a contiguous cache, or one page) copies by the
-  // strided loop, one address per thread and pass; only a block across pages looks up each
-  // row's page (per-row addressing cost the decoding kernel half its bandwidth).
-  const auto load_cache_tile = [&](uint32_t tile_smem, const Element* cache, const TensorStrides& strides, int n0) {
+  // A key block within one run of rows (a contiguous cache, or one page: page >= 0 where
+  // the caller has looked it up) copies by the strided loop, one address per thread and
+  // pass; only a block across pages looks up each row's page (per-row addressing cost the
+  // decoding kernel half its bandwidth).
+  const auto load_cache_tile = [&](uint32_t tile_smem, const Element* cache, const TensorStrides& strides, int n0,
+                                   int page) {
     const int rows = seq.seqlen_k - n0;
-    if (seq.rows_strided(n0, Shape::kBlockN))
-      KVTile::template load_async<Shape::kThreads>(tile_smem, seq.k_row(cache, strides, blk.kv_head, n0), strides.row,
-                                                   rows, params.head_dim, thread);
+    if (page >= 0 || seq.rows_strided(n0, Shape::kBlockN))
+      KVTile::template load_async<Shape::kThreads>(
+          tile_smem,
+          page >= 0 ? seq.paged_element(cache, strides, blk.kv_head, page, seq.leftpad + n0)
+                    : seq.k_row(cache, strides, blk.kv_head, n0),
+          strides.row, rows, params.head_dim, thread);
     else
       KVTile::template load_rows_async<Shape::kThreads>(
           tile_smem, [&](int r) { return seq.k_row(cache, strides, blk.kv_head, n0 + r); }, rows, params.head_dim,
           thread);
   };
+  // forward_mainloop loads the key blocks one after the other, last first: a paged cache's
+  // page for the next one is read while this one's copies are issued, so that the lookup's
+  // latency is off the copy's path (read at the copy, it cost a decoding block alone on its
+  // SM 30-60 %). The decoding tiles only (16 rows; 32 rows over 16-key blocks at W = 256):
+  // the larger ones have no register to spare for it at W = 192 and 256.
+  constexpr bool kPageAhead = Shape::kBlockM <= 16 || Shape::kBlockN <= 16;
+  const bool page_ahead = kPageAhead && seq.pages != nullptr;
+  int next_page = page_ahead && blk.n_block_last >= blk.n_block_first
+                      ? seq.page_of(seq.leftpad + blk.n_block_last * Shape::kBlockN)
+                      : -1;
   const auto load_kv_block = [&](uint32_t kv_smem, int n_block) {
-    load_cache_tile(kv_smem, k_cache, params.k_strides, n_block * Shape::kBlockN);
-    load_cache_tile(kv_smem + KVTile::kBytes, v_cache, params.v_strides, n_block * Shape::kBlockN);
+    const int n0 = n_block * Shape::kBlockN;
+    int page = -1;  // block n_block's page where it lies in one
+    if (page_ahead) {
+      if (seq.rows_strided(n0, Shape::kBlockN)) page = next_page;
+      next_page = n_block > blk.n_block_first ? seq.page_of(seq.leftpad + n0 - Shape::kBlockN) : -1;
+    }
+    load_cache_tile(kv_smem, k_cache, params.k_strides, n0, page);
+    load_cache_tile(kv_smem + KVTile::kBytes, v_cache, params.v_strides, n0, page);
   };
   ForwardRowState<Shape> state;
   forward_mainloop<Element, Shape>(
       q_smem, load_q, load_kv_block, blk.mask,
       [&] { return ScoreTransform<kMod>(params, blk.batch, blk.kv_head); }, [](auto&, int, int) {}, blk.m_begin,
       blk.n_block_first, blk.n_block_last, state);
+  allow_dependent_launch();  // the combine's blocks may take the SM slots of the finished ones
 
   static_assert(KeySplitMergeLayout<Shape>::kBytes <= Shape::kStages * 2 * KVTile::kBytes,
                 "the merge reuses the K/V stages");
