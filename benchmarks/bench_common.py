@@ -326,17 +326,10 @@ def measure(fn: Callable[[Any], Any], sets: Sequence[Any], device: torch.device,
     if is_cuda(device):
         end.synchronize()
         t_est = start.elapsed_time(end)
-    reps = int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget_ms / max(t_est, 1e-3))))
+    reps = _reps(cfg, t_est)
     times: list[float] = []
     if is_cuda(device):
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(reps)]
-        for i, (start, end) in enumerate(events):
-            start.record()
-            fn(sets[i % n])
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in events]
+        times = _cuda_event_times(lambda i: fn(sets[i % n]), reps, device)
     else:
         for i in range(reps):
             t0 = time.perf_counter()
@@ -371,23 +364,27 @@ def measure_graph_replays(fn: Callable[[Any], Any], sets: Sequence[Any], device:
         for i in range(calls):
             fn(sets[i % len(sets)])
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    t_est = start.elapsed_time(end)
-    reps = int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget_ms / max(t_est, 1e-3))))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize(device)
-    times = [s.elapsed_time(e) / calls for s, e in events]
+    reps = _reps(cfg, _cuda_event_times(lambda _: graph.replay(), 1, device)[0])
+    times = [t / calls for t in _cuda_event_times(lambda _: graph.replay(), reps, device)]
     del graph
     return Timing(statistics.median(times), min(times), reps, len(sets))
+
+
+def _reps(cfg: TimingConfig, t_est_ms: float) -> int:
+    """Timed calls for a measurement: about cfg.budget_ms of them, within [min_reps, max_reps]."""
+    return int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget_ms / max(t_est_ms, 1e-3))))
+
+
+def _cuda_event_times(step: Callable[[int], Any], reps: int, device: torch.device) -> list[float]:
+    """step(i) for i < reps, each between two CUDA events, with no host sync in between; ms each."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        step(i)
+        end.record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in events]
 
 
 def classify_failure(exc: BaseException) -> tuple[str, str]:
