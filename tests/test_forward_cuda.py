@@ -27,10 +27,11 @@ HEAD_DIMS = (32, 40, 59, 64, 80, 96, 128, 160, 192, 224, 256)
 SEQLEN_PAIRS = ((1, 239), (239, 1), (113, 203), (1023, 1024), (2048, 2048), (3, 799))
 
 
-def check_forward(q, k, v, causal=False, window=(-1, -1), context=""):
-    scale = q.size(-1) ** -0.5
-    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, window=window)
-    low_out, low_lse = attention_reference(q, k, v, causal=causal, window=window, compute_dtype=q.dtype)
+def check_forward(q, k, v, causal=False, window=(-1, -1), context="", scale=None):
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    ref_out, ref_lse = attention_reference(q, k, v, softmax_scale=scale, causal=causal, window=window)
+    low_out, low_lse = attention_reference(q, k, v, softmax_scale=scale, causal=causal, window=window,
+                                           compute_dtype=q.dtype)
     poison_allocator()
     out, lse = flashattn_ext.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal,
                                              window_size=window, return_attn_probs=True)[:2]
@@ -50,6 +51,19 @@ def test_forward_head_dims_and_seqlens(head_dim, seqlens, causal, dtype):
     batch, nheads = (1, 2) if sq * sk > 10**6 else (2, 3)
     q, k, v, _ = random_inputs(batch, sq, sk, nheads, nheads, head_dim, dtype, seed=head_dim + sq)
     check_forward(q, k, v, causal=causal, context=f"d={head_dim} sq={sq} sk={sk} causal={causal}")
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("scale", (-0.3, 0.0), ids=("negative_scale", "zero_scale"))
+@pytest.mark.parametrize("head_dim", (64, 96, 128, 256))
+def test_forward_negative_and_zero_scale(head_dim, scale, causal, dtype):
+    """Blocks no boundary cuts take the max of the raw scores and scale it once per row: with a
+    negative scale the min (flash-attn's softmax_scale is any finite float). 300 x 700 leaves
+    such blocks beside cut ones in both families, causal or not."""
+    q, k, v, _ = random_inputs(2, 300, 700, 3, 3, head_dim, dtype, seed=head_dim + 7)
+    check_forward(q, k, v, causal=causal, scale=scale,
+                  context=f"d={head_dim} scale={scale} causal={causal}")
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)

@@ -45,6 +45,9 @@ VARIANT_CASES = [
     # Causal with seqlen_q > seqlen_k: rows 0..42 see no key (out 0, lse +inf).
     AttentionCase("softcap_30_d128_causal_q300_k257", batch=2, seqlen_q=300, seqlen_k=257, nheads=4,
                   nheads_kv=4, head_dim=128, causal=True, softcap=30.0, softmax_scale=1.3),
+    # A negative scale: tanh's argument carries the sign, the capped score's max stays a max.
+    AttentionCase("softcap_5_d128_negative_scale_q300_k700", batch=1, seqlen_q=300, seqlen_k=700, nheads=4,
+                  nheads_kv=4, head_dim=128, softcap=5.0, softmax_scale=-0.4),
     AttentionCase("softcap_50_d256_causal_gqa_q257_k300", batch=1, seqlen_q=257, seqlen_k=300, nheads=4,
                   nheads_kv=2, head_dim=256, causal=True, softcap=50.0, softmax_scale=1.5),
     AttentionCase("alibi_heads_d64_causal_q257_k300", batch=2, seqlen_q=257, seqlen_k=300, nheads=4,

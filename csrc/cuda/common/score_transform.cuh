@@ -49,6 +49,13 @@ struct LogitTransform {
                        ? p.alibi_slopes[batch * p.alibi_batch_stride + head] * float(M_LOG2E)
                        : 0.f) {}
 
+  // Without a distance term (softcap alone) the logit is logit_scale() * pre_logit(s), and
+  // logit_scale() = softcap * log2 e is positive.
+  static constexpr bool kAffineLogit = !kUsesDistance;
+  static constexpr bool kScaleMayBeNegative = false;
+  __device__ __forceinline__ float pre_logit(float s) const { return kSoftcap ? capped(s) : s; }
+  __device__ __forceinline__ float logit_scale() const { return multiplier; }
+
   // softcap's tanh(s * scale / softcap), kept by the backward for the derivative 1 - t^2.
   __device__ __forceinline__ float capped(float s) const { return fast_tanh(s * softcap_pre); }
   // The logit plus `offset` (the backward's -lse2) from s, or from capped(s) with softcap (the
@@ -72,11 +79,15 @@ struct LogitTransform<ScoreMod::kNone, kLinearBias> {
   static constexpr bool kUsesDistance = false;
   static constexpr bool kBiasFrame = false;
   static constexpr bool kSoftcap = false;
+  static constexpr bool kAffineLogit = true;
+  static constexpr bool kScaleMayBeNegative = true;  // softmax_scale may be negative
   float scale_log2;
 
   __device__ __forceinline__ LogitTransform(const AttentionFwdParams& p, int, int) : scale_log2(p.softmax_scale_log2) {}
   __device__ __forceinline__ float logit_of(float s, float, float offset) const { return fmaf(s, scale_log2, offset); }
   __device__ __forceinline__ float operator()(float s, float) const { return s * scale_log2; }
+  __device__ __forceinline__ float pre_logit(float s) const { return s; }
+  __device__ __forceinline__ float logit_scale() const { return scale_log2; }
 };
 
 // A variant's transform: its logit bits only (dropout acts on the probabilities).

@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     auto& acc_o_flat = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
 
     // Q rows of this warpgroup and K rows are K-major operands, V the MN-major B of P V.
-    const uint32_t q_wg = q_smem + consumer * 64 * sm90::kSwizzleBytes;
+    const auto q_operand = sm90::k_major_operand(q_smem + consumer * 64 * sm90::kSwizzleBytes);
 
     // Where this warpgroup reads the K ring (S runs a block ahead of P V) and the V ring.
     sm90::PipelineState<kStages> k_read, v_read;
@@ -197,13 +197,12 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     const auto issue_scores = [&](float (&acc_s)[kBlockN / 2]) {
       const int stage = k_read.index;
       sm90::mbarrier_wait(k_full(stage), k_read.phase);
+      const auto k_operand = sm90::k_major_operand(k_smem(stage));
       sm90::wgmma_fence();
   #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        Wgmma<Element, kBlockN>::ss(
-            acc_s, sm90::k_major_descriptor(q_wg + sm90::k_major_step(ks, kBlockM)),
-            sm90::k_major_descriptor(k_smem(stage) + sm90::k_major_step(ks, kBlockN)),
-            ks > 0);
+        Wgmma<Element, kBlockN>::ss(acc_s, q_operand.at(sm90::k_major_step(ks, kBlockM)),
+                                    k_operand.at(sm90::k_major_step(ks, kBlockN)), ks > 0);
       sm90::wgmma_commit();
     };
     // The softmax of block `it`'s scores, P left in acc_s (with dropout, the dropped ones 0).
@@ -260,12 +259,11 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       rescale_output(acc_o, corrections);
       sm90::mbarrier_wait(v_full(stage), v_read.phase);
       sm90::fence_registers(acc_o_flat);
+      const auto v_operand = sm90::mn_major_operand(v_smem(stage), kBlockN);
       sm90::wgmma_fence();
   #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
-        Wgmma<Element, kHeadDim>::rs_b_mn_major(
-            acc_o_flat, p[kk],
-            sm90::mn_major_descriptor(v_smem(stage) + kk * 16 * sm90::kSwizzleBytes, kBlockN));
+        Wgmma<Element, kHeadDim>::rs_b_mn_major(acc_o_flat, p[kk], v_operand.at(kk * 16 * sm90::kSwizzleBytes));
       sm90::wgmma_commit();
     };
 

@@ -180,12 +180,26 @@ __device__ __forceinline__ uint32_t k_major_step(int ks, int rows) {
   return (ks / 4) * rows * kSwizzleBytes + (ks % 4) * 32;
 }
 
-__device__ __forceinline__ uint64_t k_major_descriptor(uint32_t smem_addr) {
-  return swizzled_descriptor(smem_addr, 16, kSwizzleAtomBytes);
+// An operand's descriptor built once per tile; at(offset) is the descriptor of the operand
+// `offset` bytes further on (a k16 step, a column block), made by adding offset / 16 to the
+// start-address field alone: the field holds address / 16 of an address below 256 KB, so the
+// sum never carries out of it. One integer add per wgmma instead of the mask, shift and or
+// of a fresh descriptor (five instructions on the consumers' path before each product).
+struct SwizzledOperand {
+  uint32_t lo, hi;
+  __device__ __forceinline__ explicit SwizzledOperand(uint64_t descriptor)
+      : lo(uint32_t(descriptor)), hi(uint32_t(descriptor >> 32)) {}
+  __device__ __forceinline__ uint64_t at(uint32_t byte_offset) const {
+    return (uint64_t(hi) << 32) | (lo + (byte_offset >> 4));
+  }
+};
+
+__device__ __forceinline__ SwizzledOperand k_major_operand(uint32_t smem_addr) {
+  return SwizzledOperand(swizzled_descriptor(smem_addr, 16, kSwizzleAtomBytes));
 }
 
-__device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t smem_addr, int rows) {
-  return swizzled_descriptor(smem_addr, rows * kSwizzleBytes, kSwizzleAtomBytes);
+__device__ __forceinline__ SwizzledOperand mn_major_operand(uint32_t smem_addr, int rows) {
+  return SwizzledOperand(swizzled_descriptor(smem_addr, rows * kSwizzleBytes, kSwizzleAtomBytes));
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
