@@ -421,18 +421,17 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // the MN-major B of dV, dK. The dQ product reads K MN-major over all keys, from its half of the
   // head-dim columns (a 64-byte offset into a swizzle row at W = 64, which the address-based
   // swizzle allows like the 32-byte k-steps of the K-major operands).
-  const auto k_operand = sm90::k_major_operand(k_smem + wg_key0 * sm90::kSwizzleBytes);
-  const auto v_operand = sm90::k_major_operand(v_smem + wg_key0 * sm90::kSwizzleBytes);
+  const uint32_t k_rows = k_smem + wg_key0 * sm90::kSwizzleBytes;
+  const uint32_t v_rows = v_smem + wg_key0 * sm90::kSwizzleBytes;
   const uint32_t query_rows = wg_query0 * sm90::kSwizzleBytes;
   const uint32_t acc_cols = (acc_col0 / sm90::kSwizzleElements) * BM * sm90::kSwizzleBytes;
   // This warpgroup's dQ: its query rows and head-dim columns.
   const int dq_query0 = Shape::kDqSplitByRows ? consumer * 64 : 0;
   const int dq_col0 = Shape::kDqSplitByRows ? 0 : consumer * Shape::kDqColumns;
-  const auto k_dq_operand = sm90::mn_major_operand(
-      k_smem + (dq_col0 / sm90::kSwizzleElements) * BN * sm90::kSwizzleBytes + (dq_col0 % sm90::kSwizzleElements) * 2,
-      BN);
-  using sm90::k_major_operand;
-  using sm90::mn_major_operand;
+  const uint32_t k_dq_cols = k_smem + (dq_col0 / sm90::kSwizzleElements) * BN * sm90::kSwizzleBytes +
+                             (dq_col0 % sm90::kSwizzleElements) * 2;
+  using sm90::k_major_descriptor;
+  using sm90::mn_major_descriptor;
 
   // This thread's share of the lse2 / D prefetch: value `stat_index` of a block's 64 lse2
   // (0..63) or 64 D (64..127); threads 128.. have none.
@@ -461,18 +460,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     float s[NQ / 2], dp[NQ / 2];  // Sᵀ then Pᵀ; dPᵀ then dSᵀ
     sm90::mbarrier_wait(full(stage), read.phase);
-    const auto q_operand = k_major_operand(q_smem(stage) + query_rows);
-    const auto do_operand = k_major_operand(do_smem(stage) + query_rows);
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)
-      Wgmma<Element, NQ>::ss(s, k_operand.at(sm90::k_major_step(ks, BN)), q_operand.at(sm90::k_major_step(ks, BM)),
-                             ks > 0);
+      Wgmma<Element, NQ>::ss(s, k_major_descriptor(k_rows + sm90::k_major_step(ks, BN)),
+                             k_major_descriptor(q_smem(stage) + query_rows + sm90::k_major_step(ks, BM)), ks > 0);
     sm90::wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)
-      Wgmma<Element, NQ>::ss(dp, v_operand.at(sm90::k_major_step(ks, BN)), do_operand.at(sm90::k_major_step(ks, BM)),
-                             ks > 0);
+      Wgmma<Element, NQ>::ss(dp, k_major_descriptor(v_rows + sm90::k_major_step(ks, BN)),
+                             k_major_descriptor(do_smem(stage) + query_rows + sm90::k_major_step(ks, BM)), ks > 0);
     sm90::wgmma_commit();
 
     // Dropout's draws run under the two products; dS takes the undropped Pᵀ, dV the dropped
@@ -544,14 +541,14 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::fence_registers(acc_dv);
       sm90::fence_registers(acc_dk);
       sm90::wgmma_fence();
-      const auto do_b = mn_major_operand(do_smem(stage), BM);
-      const auto q_b = mn_major_operand(q_smem(stage), BM);
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<Element, W>::rs_b_mn_major(acc_dv, pa[kk], do_b.at(kk * 16 * sm90::kSwizzleBytes));
+        Wgmma<Element, W>::rs_b_mn_major(acc_dv, pa[kk],
+                                         mn_major_descriptor(do_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<Element, W>::rs_b_mn_major(acc_dk, dsa[kk], q_b.at(kk * 16 * sm90::kSwizzleBytes));
+        Wgmma<Element, W>::rs_b_mn_major(acc_dk, dsa[kk],
+                                         mn_major_descriptor(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
       sm90::wgmma_commit();
     } else {
       backward::store_score_tile<Element, NQ, BN>(base_ptr + score_offset(buf, 1), s, key_row0, wg_query0 / 8, g, t);
@@ -563,31 +560,30 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     const uint32_t ds_tile = base + score_offset(buf, 0);
     if constexpr (kSplit) {
-      const auto p_a = k_major_operand(base + score_offset(buf, 1));
-      const auto ds_a = k_major_operand(ds_tile);
-      const auto do_b = mn_major_operand(do_smem(stage) + acc_cols, BM);
-      const auto q_b = mn_major_operand(q_smem(stage) + acc_cols, BM);
+      const uint32_t p_tile = base + score_offset(buf, 1);
       sm90::fence_registers(acc_dv);
       sm90::fence_registers(acc_dk);
       sm90::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<Element, NA>::ss_b_mn_major(acc_dv, p_a.at(sm90::k_major_step(kk, BN)),
-                                          do_b.at(kk * 16 * sm90::kSwizzleBytes));
+        Wgmma<Element, NA>::ss_b_mn_major(
+            acc_dv, k_major_descriptor(p_tile + sm90::k_major_step(kk, BN)),
+            mn_major_descriptor(do_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<Element, NA>::ss_b_mn_major(acc_dk, ds_a.at(sm90::k_major_step(kk, BN)),
-                                          q_b.at(kk * 16 * sm90::kSwizzleBytes));
+        Wgmma<Element, NA>::ss_b_mn_major(
+            acc_dk, k_major_descriptor(ds_tile + sm90::k_major_step(kk, BN)),
+            mn_major_descriptor(q_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
       sm90::wgmma_commit();
     }
 
     float dq[Shape::kDqColumns / 2];
-    const auto ds_t = mn_major_operand(ds_tile + dq_query0 / 64 * BN * sm90::kSwizzleBytes, BN);
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      Wgmma<Element, Shape::kDqColumns>::ss_ab_mn_major(dq, ds_t.at(kk * 16 * sm90::kSwizzleBytes),
-                                                        k_dq_operand.at(kk * 16 * sm90::kSwizzleBytes), kk > 0);
+      Wgmma<Element, Shape::kDqColumns>::ss_ab_mn_major(
+          dq, mn_major_descriptor(ds_tile + (dq_query0 / 64 * BN + kk * 16) * sm90::kSwizzleBytes, BN),
+          mn_major_descriptor(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN), kk > 0);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     sm90::fence_registers(dq);

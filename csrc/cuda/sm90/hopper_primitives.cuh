@@ -180,11 +180,22 @@ __device__ __forceinline__ uint32_t k_major_step(int ks, int rows) {
   return (ks / 4) * rows * kSwizzleBytes + (ks % 4) * 32;
 }
 
+__device__ __forceinline__ uint64_t k_major_descriptor(uint32_t smem_addr) {
+  return swizzled_descriptor(smem_addr, 16, kSwizzleAtomBytes);
+}
+
+__device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t smem_addr, int rows) {
+  return swizzled_descriptor(smem_addr, rows * kSwizzleBytes, kSwizzleAtomBytes);
+}
+
 // An operand's descriptor built once per tile; at(offset) is the descriptor of the operand
 // `offset` bytes further on (a k16 step, a column block), made by adding offset / 16 to the
 // start-address field alone: the field holds address / 16 of an address below 256 KB, so the
 // sum never carries out of it. One integer add per wgmma instead of the mask, shift and or
-// of a fresh descriptor (five instructions on the consumers' path before each product).
+// of a fresh descriptor (five instructions on the consumers' path before each product). The
+// forward steps its operands so; the backward builds a descriptor per product, which leaves
+// its W = 64 dropout variants the registers they need (held across the loop, the operands
+// spilled them).
 struct SwizzledOperand {
   uint32_t lo, hi;
   __device__ __forceinline__ explicit SwizzledOperand(uint64_t descriptor)
@@ -195,11 +206,11 @@ struct SwizzledOperand {
 };
 
 __device__ __forceinline__ SwizzledOperand k_major_operand(uint32_t smem_addr) {
-  return SwizzledOperand(swizzled_descriptor(smem_addr, 16, kSwizzleAtomBytes));
+  return SwizzledOperand(k_major_descriptor(smem_addr));
 }
 
 __device__ __forceinline__ SwizzledOperand mn_major_operand(uint32_t smem_addr, int rows) {
-  return SwizzledOperand(swizzled_descriptor(smem_addr, rows * kSwizzleBytes, kSwizzleAtomBytes));
+  return SwizzledOperand(mn_major_descriptor(smem_addr, rows));
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
