@@ -8,7 +8,9 @@ Convention of bench_attention.py: d 128, N 8192, batch * seqlen = 16384 (batch 2
 2048 (16 heads), bf16, causal and not. Every variant is credited with plain attention's
 FLOPs (a modifier's elementwise work is not counted), so a TFLOP/s ratio is a time ratio.
 Ours is timed through the ops, as bench_attention.py times it: the forward op, and the
-backward op alone on a saved out/lse; all variants share the same inputs. Variants: plain;
+backward op alone on a saved out/lse; all variants share the same inputs. Ours is timed in
+--rounds rounds (5), each timing every variant in turn; a cost is the median over the rounds
+of the ratio within a round, so that the GPU's clock, which drifts between rounds, cancels. Variants: plain;
 softcap (--softcap, 30); ALiBi with the standard slopes 2^(-8 (h + 1) / nheads), shape
 (nheads,); a learnable sink (fp32 logits around log N, so that the sink takes a visible
 share of each row); all three; dropout (--dropout-p, 0.1; one rng_state [seed, offset] for
@@ -36,6 +38,7 @@ import argparse
 import dataclasses
 import importlib.util
 import math
+import statistics
 import sys
 from types import SimpleNamespace
 
@@ -91,6 +94,8 @@ def parse_args(argv=None):
     p.add_argument("--dropout-p", type=float, default=0.1, help="dropout_p of the dropout variants")
     p.add_argument("--check-heads", type=int, default=2,
                    help="heads of batch 0 (the last ones) checked against the fp64 reference")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of ours' timing, each timing every variant in turn (5; 1 on cpu)")
     return p.parse_args(argv)
 
 
@@ -100,6 +105,10 @@ def apply_defaults(args, device):
                            ("hidden", 2048, 64)):
         if getattr(args, name) is None:
             setattr(args, name, dry if cpu else gpu)
+    if args.rounds is None:
+        args.rounds = 1 if cpu else 5
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     if args.tokens % args.seqlen or args.hidden % args.head_dim:
         raise SystemExit(f"tokens {args.tokens} / seqlen {args.seqlen} or hidden {args.hidden} / "
                          f"head_dim {args.head_dim} is not an integer")
@@ -213,6 +222,41 @@ def time_ours(sets, m, scale, causal, mode, device, tcfg):
     return bc.measure(lambda s: ours_backward(s, m, scale, causal), sets, device, tcfg)
 
 
+def time_ours_in_rounds(checked, sets, shape, args, device, tcfg, deadline):
+    """Ours' rows of the checked variants: each round times every variant and mode in turn,
+    and a row's time is the median of its rounds' (each round's the median of its calls).
+    Timed one variant after another, the costs moved by the GPU's clock between them: the
+    plain forward alone read 598-663 TFLOP/s across runs of one call."""
+    round_ms = {(variant, mode): [] for variant in checked for mode in args.modes}
+    for _ in bc.progress(range(args.rounds), desc=f"timing rounds causal={shape.causal}"):
+        if deadline.expired():
+            break
+        for variant, (_, m) in checked.items():
+            for mode in args.modes:
+                try:
+                    timing = time_ours(sets, m, shape.scale, shape.causal, mode, device, tcfg)
+                except bc.RUN_FAILURES as exc:
+                    round_ms[(variant, mode)] = exc
+                    continue
+                if isinstance(round_ms[(variant, mode)], list):
+                    round_ms[(variant, mode)].append(timing.median_ms)
+    rows = []
+    for (variant, mode), times in round_ms.items():
+        row = new_row(checked[variant][0], "ours", mode)
+        if isinstance(times, BaseException):
+            row["status"], row["reason"] = bc.classify_failure(times)
+        elif not times:
+            row.update(status=bc.STATUS_SKIPPED, reason="time limit")
+        else:
+            median = statistics.median(times)
+            flops = bc.attention_flops(shape.batch, shape.nheads, shape.seqlen, shape.seqlen, shape.head_dim,
+                                       shape.causal, mode)
+            row.update(time_ms=median, min_ms=min(times), rounds=len(times), round_ms=times,
+                       rotation_sets=len(sets), tflops=flops / (median * 1e-3) / 1e12)
+        rows.append(row)
+    return rows
+
+
 def fa4_difference(peer, s, m, scale, causal) -> float:
     """max |FA4's out - ours| on input set s: a peer that computes something else posts no
     comparable speed, and its first call compiles its kernel before the timing."""
@@ -240,13 +284,19 @@ def timed_row(row, time, flops):
 
 
 def add_costs(rows):
-    """cost_vs_plain = time / plain's time - 1, for the same implementation, causal and mode."""
-    plain = {(r["impl"], r["causal"], r["mode"]): r["time_ms"] for r in rows
+    """cost_vs_plain = time / plain's time - 1, for the same implementation, causal and mode;
+    for ours, the median over the rounds of the ratio within each round (a round times every
+    variant within seconds, so the GPU's clock drift between rounds cancels)."""
+    plain = {(r["impl"], r["causal"], r["mode"]): r for r in rows
              if r["variant"] == "plain" and r["status"] == bc.STATUS_OK}
     for r in rows:
         base = plain.get((r["impl"], r["causal"], r["mode"]))
-        if r["status"] == bc.STATUS_OK and base:
-            r["cost_vs_plain"] = r["time_ms"] / base - 1
+        if r["status"] != bc.STATUS_OK or base is None:
+            continue
+        if "round_ms" in r:
+            r["cost_vs_plain"] = statistics.median(t / b for t, b in zip(r["round_ms"], base["round_ms"])) - 1
+        else:
+            r["cost_vs_plain"] = r["time_ms"] / base["time_ms"] - 1
 
 
 def cost_cell(row):
@@ -267,7 +317,10 @@ def tables(rows, impls, device):
     out = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         table = []
-        for causal, variant in dict.fromkeys((r["causal"], r["variant"]) for r in rows):
+        keys = list(dict.fromkeys((r["causal"], r["variant"]) for r in rows))
+        causals = list(dict.fromkeys(causal for causal, _ in keys))
+        keys.sort(key=lambda key: (causals.index(key[0]), list(VARIANTS).index(key[1])))
+        for causal, variant in keys:
             line = {"causal": causal, "variant": variant}
             for impl in impls:
                 r = index.get((impl, causal, variant, mode))
@@ -322,6 +375,7 @@ def main(argv=None):
         # One set of inputs for every variant, so that the variants differ only in their modifiers.
         sets = bc.make_input_sets("bshd", batch, n, n, nheads, nheads, d, dtype, device, gen)
         shape = SimpleNamespace(batch=batch, seqlen=n, nheads=nheads, head_dim=d, causal=causal, scale=scale)
+        checked = {}  # variant -> (row base, modifiers) of the variants that passed their check
         for variant in bc.progress(args.variants, desc=f"variants causal={causal}"):
             base = dict(dtype=args.dtype, head_dim=d, seqlen=n, batch=batch, nheads=nheads, causal=causal,
                         variant=variant)
@@ -344,13 +398,10 @@ def main(argv=None):
                 checks.append(dict(base, passed=None, status=ours_status, error=detail))
                 print(f"check {variant} causal={causal}: ours could not run: {detail}", flush=True)
                 bc.free_memory(device)
-            for mode in args.modes:
-                if ours_status == bc.STATUS_OK:
-                    rows.append(timed_row(new_row(base, "ours", mode),
-                                          lambda: time_ours(sets, m, scale, causal, mode, device, tcfg),
-                                          bc.attention_flops(batch, nheads, n, n, d, causal, mode)))
-                else:
-                    rows.append(new_row(base, "ours", mode, ours_status, detail))
+            if ours_status == bc.STATUS_OK:
+                checked[variant] = (base, m)
+            else:
+                rows += [new_row(base, "ours", mode, ours_status, detail) for mode in args.modes]
             if "fa4" in impls:
                 peer = dataclasses.replace(fa4, forward=fa4_forward(m.softcap))
                 try:
@@ -365,6 +416,8 @@ def main(argv=None):
                     rows += [new_row(base, "fa4", mode, status, reason) for mode in args.modes]
             bc.free_memory(device)
             save()
+        rows += time_ours_in_rounds(checked, sets, shape, args, device, tcfg, deadline)
+        save()
         del sets
         bc.free_memory(device)
 

@@ -130,10 +130,10 @@ def test_bench_prefill_cpu_dry_run(tmp_path):
 def test_bench_variants_cpu_dry_run(tmp_path):
     """Each variant (dropout ones with the mask of tests/dropout_reference.py) checked against
     the fp64 reference before it is timed, its cost against plain in the table and the CSV, and
-    the summary against each variant's target; fa4 rows for plain and softcap even where it is
-    not installed, and for the dropout variants, which it does not have."""
+    the summary against each variant's target; ours timed in every round; fa4 rows for plain and
+    softcap even where it is not installed, and for the dropout variants, which it does not have."""
     proc = run([sys.executable, "benchmarks/bench_variants.py", "--device", "cpu", "--impls", "ours", "fa4",
-                "--out", str(tmp_path / "out")], tmp_path)
+                "--rounds", "2", "--out", str(tmp_path / "out")], tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert "DRY RUN on cpu" in output
@@ -149,6 +149,7 @@ def test_bench_variants_cpu_dry_run(tmp_path):
     ours = [r for r in rows if r["impl"] == "ours"]
     assert len(ours) == len(variants) * 2 * 2  # causal and not, forward and backward
     assert all(r["status"] == "ok" and r["cost_vs_plain"] for r in ours)
+    assert all(r["rounds"] == "2" for r in ours)  # each variant timed in both rounds
     fa4 = [r for r in rows if r["impl"] == "fa4"]
     assert sorted(r["variant"] for r in fa4) == (["dropout"] * 4 + ["plain"] * 4 + ["softcap"] * 4
                                                  + ["softcap_dropout"] * 4)
