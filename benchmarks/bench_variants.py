@@ -228,23 +228,25 @@ def time_ours_in_rounds(checked, sets, shape, args, device, tcfg, deadline):
     Timed one variant after another, the costs moved by the GPU's clock between them: the
     plain forward alone read 598-663 TFLOP/s across runs of one call."""
     round_ms = {(variant, mode): [] for variant in checked for mode in args.modes}
+    failures = {}  # (variant, mode) -> the exception that stopped its timing
     for _ in bc.progress(range(args.rounds), desc=f"timing rounds causal={shape.causal}"):
         if deadline.expired():
             break
         for variant, (_, m) in checked.items():
             for mode in args.modes:
+                if (variant, mode) in failures:
+                    continue
                 try:
                     timing = time_ours(sets, m, shape.scale, shape.causal, mode, device, tcfg)
                 except bc.RUN_FAILURES as exc:
-                    round_ms[(variant, mode)] = exc
+                    failures[(variant, mode)] = exc
                     continue
-                if isinstance(round_ms[(variant, mode)], list):
-                    round_ms[(variant, mode)].append(timing.median_ms)
+                round_ms[(variant, mode)].append(timing.median_ms)
     rows = []
     for (variant, mode), times in round_ms.items():
         row = new_row(checked[variant][0], "ours", mode)
-        if isinstance(times, BaseException):
-            row["status"], row["reason"] = bc.classify_failure(times)
+        if (variant, mode) in failures:
+            row["status"], row["reason"] = bc.classify_failure(failures[(variant, mode)])
         elif not times:
             row.update(status=bc.STATUS_SKIPPED, reason="time limit")
         else:
