@@ -59,7 +59,7 @@ def resource_reports(tmp_path_factory):
 
     sources = _write_instantiation_files(generated)
     # FLASHATTN_RESOURCE_FILES=<glob> (e.g. "bwd_hdim64_*"): only the matching files, for a quick
-    # check while changing a kernel (every file takes about 20 minutes on two cores). CI leaves
+    # check while changing a kernel (every file takes minutes even on many cores). CI leaves
     # it unset: the check that counts compiles every variant with these flags.
     pattern = os.environ.get("FLASHATTN_RESOURCE_FILES")
     if pattern:
