@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from . import checks
 from . import ops
+from . import paged_kv
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -277,7 +278,12 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), starting at 0, non-decreasing,
             ending at total_q / total_k.
         max_seqlen_q, max_seqlen_k: at least the longest query / key sequence.
-        block_table: paged KV; not implemented (NotImplementedError).
+        block_table: int32 (batch, max_blocks_per_seq), paged keys and values (flash-attn
+            2.x's layout): k, v (num_blocks, page_size, nheads_kv, head_dim), any page_size;
+            key row r of sequence b in block block_table[b][r // page_size], row
+            r % page_size, sequence b's length cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or
+            seqused_k[b]). The rows a call reads are gathered into one copy first
+            (flashattn_ext/paged_kv.py); differentiable, the gradients reaching the pages.
         seqused_q, seqused_k (keyword only, as FA3): int32 (batch,); only the first
             seqused[b] rows of sequence b are used, the others get out = 0, lse = +inf and
             zero gradients.
@@ -289,10 +295,14 @@ def flash_attn_varlen_func(
         out (total_q, nheads, head_dim); with return_attn_probs,
         (out, softmax_lse (nheads, total_q) fp32 (fp64 for fp64 inputs), S_dmask).
     """
-    if block_table is not None:
-        raise NotImplementedError("flashattn_ext: paged KV (block_table) is not implemented yet")
     layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                             seqused_k)
+    if block_table is not None:
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            checks.check_is_tensor(t, name)
+        k, v, lengths = paged_kv.gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.max_seqlen_k,
+                                              seqused_k, block_table)
+        layout = checks.SequenceLayout(cu_seqlens_q, None, seqused_q, lengths, layout.max_seqlen_q, -1)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, layout)
 

@@ -386,3 +386,52 @@ VARLEN_CASES = [
 
 VARLEN_CASES_BY_NAME = {case.name: case for case in VARLEN_CASES}
 assert len(VARLEN_CASES_BY_NAME) == len(VARLEN_CASES), "case names must be unique"
+
+
+@dataclass
+class PagedKeys:
+    """A varlen call's keys and values in flash-attn's paged layout (flash_attn_varlen_func's
+    block_table): k_cache, v_cache (num_blocks, page_size, nheads_kv, head_dim), block_table
+    int32 (batch, max_blocks_per_seq), and rows[t], the row of cache.flatten(0, 1) that holds
+    packed key row t."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    rows: torch.Tensor
+
+    def packed(self, cache_like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like the caches (a gradient), in the packed key layout."""
+        return cache_like.flatten(0, 1)[self.rows]
+
+    def rows_holding_no_key(self, cache_like: torch.Tensor) -> torch.Tensor:
+        held = torch.zeros(cache_like.size(0) * cache_like.size(1), dtype=torch.bool, device=cache_like.device)
+        held[self.rows] = True
+        return cache_like.flatten(0, 1)[~held]
+
+
+def paged_keys(k: torch.Tensor, v: torch.Tensor, seqlens_k, page_size: int, seed: int = 0,
+               requires_grad: bool = False) -> PagedKeys:
+    """k, v (total_k, nheads_kv, head_dim), sequences of lengths seqlens_k, moved into pages of
+    page_size rows: the pages in shuffled order beside two that no sequence uses, and each
+    table row one entry longer than its sequence needs. The cache rows that hold no key are
+    NaN and the table's entries past a sequence's pages out of range (-1, num_blocks + 7):
+    reading either would show."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-length // page_size) for length in seqlens_k]
+    num_blocks = sum(pages) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(seqlens_k), max(pages, default=0) + 1), num_blocks + 7, dtype=torch.int32)
+    table[::2, -1] = -1
+    rows = []
+    for b, length in enumerate(seqlens_k):
+        for page in range(pages[b]):
+            table[b, page] = order.pop()
+        rows += [int(table[b, r // page_size]) * page_size + r % page_size for r in range(length)]
+    rows = torch.tensor(rows, dtype=torch.long, device=k.device)
+    caches = []
+    for t in (k.detach(), v.detach()):
+        cache = torch.full((num_blocks, page_size, *t.shape[1:]), float("nan"), dtype=t.dtype, device=t.device)
+        cache.flatten(0, 1)[rows] = t
+        caches.append(cache.requires_grad_(requires_grad))
+    return PagedKeys(*caches, table.to(k.device), rows)

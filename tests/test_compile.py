@@ -11,7 +11,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from flashattn_ext import flash_attn_func, flash_attn_varlen_func
 
-from sample_inputs import CASES_BY_NAME, VARLEN_CASES, VARLEN_CASES_BY_NAME, cases_tagged
+from sample_inputs import CASES_BY_NAME, VARLEN_CASES, VARLEN_CASES_BY_NAME, cases_tagged, paged_keys
 
 FORWARD_OP = torch.ops.flashattn_ext.attention_forward.default
 BACKWARD_OP = torch.ops.flashattn_ext.attention_backward.default
@@ -107,6 +107,36 @@ def test_compile_varlen_fullgraph_without_recompiles(case):
             inputs = case.make(torch.float32, requires_grad=True, seed=seed)
             for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), run(compiled, inputs), run(step, inputs)):
                 torch.testing.assert_close(a, e, rtol=0, atol=0, msg=f"{case.name} {name}")
+    assert counter.frame_count == 1
+    (forward_graph,) = recorder.forward_graphs
+    (backward_graph,) = recorder.backward_graphs
+    assert count_calls(forward_graph, FORWARD_OP) == 1
+    assert count_calls(backward_graph, BACKWARD_OP) == 1
+
+
+def test_compile_paged_varlen_fullgraph():
+    """flash_attn_varlen_func with block_table: the gather of the pages traces (its value checks
+    are eager-only), one forward and one backward op, the eager results."""
+    torch._dynamo.reset()
+    recorder = GraphRecorder()
+    counter = CompileCounterWithBackend(recorder.backend)
+    case = VARLEN_CASES_BY_NAME["mixed_lengths"]
+    inputs = case.make(torch.float32, requires_grad=True)
+    cu_q, cu_k, _, _, max_q, max_k = inputs.sequence_args
+    paged = paged_keys(inputs.k, inputs.v, case.seqlens_k, page_size=16, requires_grad=True)
+
+    def step(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
+        out = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal=True,
+                                     block_table=block_table)
+        return out * 2.0
+
+    def run(function):
+        out = function(inputs.q, paged.k_cache, paged.v_cache, cu_q, cu_k, paged.block_table)
+        return (out, *torch.autograd.grad(out, (inputs.q, paged.k_cache, paged.v_cache), inputs.dout))
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for name, a, e in zip(("out", "dq", "dk_cache", "dv_cache"), run(compiled), run(step)):
+        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=name)
     assert counter.frame_count == 1
     (forward_graph,) = recorder.forward_graphs
     (backward_graph,) = recorder.backward_graphs

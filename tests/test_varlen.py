@@ -29,7 +29,7 @@ from flashattn_ext import (flash_attn_func, flash_attn_varlen_func, flash_attn_v
                            flash_attn_varlen_qkvpacked_func)
 
 from reference import BASELINE_DTYPES, SINK_GRADIENT, assert_error_rule, attention_reference_with_grads
-from sample_inputs import VARLEN_CASES, VARLEN_CASES_BY_NAME, VarlenCase
+from sample_inputs import VARLEN_CASES, VARLEN_CASES_BY_NAME, VarlenCase, paged_keys
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -45,10 +45,23 @@ forward_op = torch.ops.flashattn_ext.attention_forward
 backward_op = torch.ops.flashattn_ext.attention_backward
 
 
-def run_varlen(case: VarlenCase, inputs):
+def run_varlen(case: VarlenCase, inputs, page_size=None):
     """(out, lse, dq, dk, dv[, dsink]), gradients of <out, dout>: through flash_attn_varlen_func
-    when both sides are variable-length, else through the op (its autograd formula)."""
+    when both sides are variable-length, else through the op (its autograd formula). With a
+    page_size, k and v in pages (block_table), the gradients of the pages brought back to the
+    packed rows, and those of the rows that hold no key checked to be 0."""
     cu_q, cu_k, used_q, used_k, max_q, max_k = inputs.sequence_args
+    if page_size is not None:
+        paged = paged_keys(inputs.k, inputs.v, case.seqlens_k, page_size, requires_grad=True)
+        out, lse, _ = flash_attn_varlen_func(inputs.q, paged.k_cache, paged.v_cache, cu_q, cu_k, max_q, max_k,
+                                             **inputs.func_kwargs(), return_attn_probs=True,
+                                             block_table=paged.block_table, seqused_q=used_q, seqused_k=used_k)
+        sink = () if inputs.learnable_sink is None else (inputs.learnable_sink,)
+        dq, dk_cache, dv_cache, *dsink = torch.autograd.grad(
+            out, (inputs.q, paged.k_cache, paged.v_cache, *sink), inputs.dout)
+        for name, grad in (("dk", dk_cache), ("dv", dv_cache)):
+            assert not paged.rows_holding_no_key(grad).any(), f"{case.name}: {name} of a page row holding no key"
+        return (out, lse, dq, paged.packed(dk_cache), paged.packed(dv_cache), *dsink)
     if not (case.dense_q or case.dense_k):
         out, lse, probs = flash_attn_varlen_func(inputs.q, inputs.k, inputs.v, cu_q, cu_k, max_q, max_k,
                                                  **inputs.func_kwargs(), return_attn_probs=True,
@@ -125,12 +138,12 @@ def dense_flash_attention(inputs):
     return attention
 
 
-def check_case(case: VarlenCase, dtype, device):
+def check_case(case: VarlenCase, dtype, device, page_size=None):
     inputs = case.make(dtype, device=device, requires_grad=True)
     if device == "cuda":
         from cuda_inputs import poison_allocator
         poison_allocator()
-    actual = run_varlen(case, inputs)
+    actual = run_varlen(case, inputs, page_size)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for name, tensor in zip(NAMES, actual):
         assert tensor.dtype == (lse_dtype if name == "lse" else dtype), name
@@ -152,6 +165,28 @@ def check_case(case: VarlenCase, dtype, device):
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
 def test_varlen_cpu(case, dtype):
     check_case(case, dtype, "cpu")
+
+
+# Paged keys (block_table): the cases whose keys flash_attn_varlen_func takes packed, each
+# with a page size: 1, a multiple of 16, and sizes that divide no sequence.
+PAGED_CASES = [(case, (16, 5, 1, 64, 7)[i % 5])
+               for i, case in enumerate(c for c in VARLEN_CASES if not (c.dense_q or c.dense_k))]
+PAGED_IDS = [f"{case.name}-page{page_size}" for case, page_size in PAGED_CASES]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("case,page_size", PAGED_CASES, ids=PAGED_IDS)
+def test_varlen_paged_cpu(case, page_size, dtype):
+    check_case(case, dtype, "cpu", page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.usefixtures("kernel_family")
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("case,page_size", PAGED_CASES, ids=PAGED_IDS)
+def test_varlen_paged_cuda(case, page_size, dtype):
+    check_case(case, dtype, "cuda", page_size)
 
 
 @pytest.fixture
@@ -423,11 +458,149 @@ def test_packed_shape_checks():
         flash_attn_varlen_kvpacked_func(torch.randn(10, 2, 16), torch.randn(10, 3, 2, 16), cu, cu, 10, 10)
 
 
-def test_block_table_is_not_implemented():
-    with pytest.raises(NotImplementedError, match=r"paged KV \(block_table\) is not implemented yet"):
-        args = varlen_args("cpu")
-        flash_attn_varlen_func(args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"], 7, 5,
-                               block_table=torch.zeros(3, 1, dtype=torch.int32))
+def ints(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def paged_args(**changes):
+    """A valid paged call (varlen_args' sequences, k and v in pages of 2 rows), with changes:
+    a function of the value, or a value."""
+    args = varlen_args("cpu")
+    paged = paged_keys(args["k"], args["v"], (4, 5, 3), page_size=2)
+    args.update(k=paged.k_cache, v=paged.v_cache, block_table=paged.block_table)
+    for name, change in changes.items():
+        args[name] = change(args[name]) if callable(change) else change
+    return args
+
+
+def call_paged(args):
+    return flash_attn_varlen_func(args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
+                                  args["max_seqlen_q"], args["max_seqlen_k"], seqused_k=args["seqused_k"],
+                                  block_table=args["block_table"])
+
+
+PAGED_CHECKS = [
+    ("table_int64", dict(block_table=lambda t: t.long()), r"block_table must be int32, got torch.int64"),
+    ("table_other_device", dict(block_table=lambda t: t.to("meta")),
+     r"block_table must be on the same device as q: got meta, expected cpu"),
+    ("table_1d", dict(block_table=lambda t: t[0]),
+     r"block_table must have 2 dimensions \(batch, max_blocks_per_seq\), got 1"),
+    ("table_rows", dict(block_table=lambda t: t[:2]), r"block_table must have batch = 3 rows \(one per sequence\), got 2"),
+    ("k_3d", dict(k=lambda t: t[0]), r"k must have 4 dimensions \(num_blocks, page_size, nheads_kv, head_dim\)"),
+    ("v_shape", dict(v=lambda t: t[:-1]), r"k and v must have the same shape .* got k \[\d+, 2, 2, 16\], v"),
+    ("cu_seqlens_k_length", dict(cu_seqlens_k=ints([0, 4, 9])),
+     r"cu_seqlens_k must have the length of cu_seqlens_q = 4 elements, got 3"),
+    ("seqused_k_int64", dict(seqused_k=torch.zeros(3, dtype=torch.int64)), r"seqused_k must be int32"),
+    ("max_seqlen_k_missing", dict(max_seqlen_k=-1), r"max_seqlen_k must be given \(>= 0\) with cu_seqlens_k, got -1"),
+    # Values: the entries of the pages a sequence uses, and the lengths.
+    ("entry_negative", dict(block_table=lambda t: t.index_put((torch.tensor(1), torch.tensor(2)), torch.tensor(-3, dtype=torch.int32))),
+     r"block_table\[1\]\[2\] must be in \[0, num_blocks = \d+\) \(a block of sequence 1's keys\), got -3"),
+    ("entry_past_the_cache", dict(block_table=lambda t: t.index_put((torch.tensor(0), torch.tensor(0)), torch.tensor(999, dtype=torch.int32))),
+     r"block_table\[0\]\[0\] must be in \[0, num_blocks = \d+\) \(a block of sequence 0's keys\), got 999"),
+    ("cu_seqlens_k_decreasing", dict(cu_seqlens_k=ints([0, 4, 3, 12])),
+     r"cu_seqlens_k must be non-decreasing: got cu_seqlens_k\[2\] = 3 < cu_seqlens_k\[1\] = 4"),
+    ("seqused_k_negative", dict(seqused_k=ints([4, -1, 3])), r"seqused_k\[1\] must be >= 0, got -1"),
+    ("longer_than_max_seqlen_k", dict(max_seqlen_k=4), r"sequence 1 of cu_seqlens_k has 5 rows, more than max_seqlen_k = 4"),
+    ("longer_than_the_table_row", dict(block_table=lambda t: t[:, :2], max_seqlen_k=9, cu_seqlens_k=ints([0, 4, 13, 16])),
+     r"sequence 1 of cu_seqlens_k has 9 rows, more than the max_blocks_per_seq \* page_size = 2 \* 2 = 4 rows"),
+]
+
+
+@pytest.mark.parametrize("changes,pattern", [c[1:] for c in PAGED_CHECKS], ids=[c[0] for c in PAGED_CHECKS])
+def test_paged_checks(changes, pattern):
+    with pytest.raises(RuntimeError, match=pattern) as info:
+        call_paged(paged_args(**changes))
+    assert "flashattn_ext: " in str(info.value)
+
+
+def test_paged_entries_past_a_sequence_are_never_read():
+    """flash-attn's rule: only the blocks holding a sequence's keys are looked up; the rest of
+    its table row may hold anything (paged_keys leaves out-of-range entries there)."""
+    args = varlen_args("cpu")
+    expected = call_function(args)
+    paged = paged_keys(args["k"], args["v"], (4, 5, 3), page_size=2)
+    assert (paged.block_table < 0).any() and (paged.block_table >= paged.k_cache.size(0)).any()
+    args.update(k=paged.k_cache, v=paged.v_cache, block_table=paged.block_table)
+    torch.testing.assert_close(call_paged(args), expected, rtol=0, atol=0)
+
+
+def test_paged_dropout_and_probabilities_match_packed_keys():
+    """The dropout mask is a function of positions within each sequence: paged keys draw the
+    packed call's mask, and return_attn_probs the same S_dmask."""
+    case = VARLEN_CASES_BY_NAME["q_k_differ_causal"]
+    inputs = case.make(torch.float32)
+    cu_q, cu_k, _, _, max_q, max_k = inputs.sequence_args
+    paged = paged_keys(inputs.k, inputs.v, case.seqlens_k, page_size=3)
+    results = []
+    for k, v, table in ((inputs.k, inputs.v, None), (paged.k_cache, paged.v_cache, paged.block_table)):
+        torch.manual_seed(5)
+        results.append(flash_attn_varlen_func(inputs.q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.3, causal=True,
+                                              return_attn_probs=True, block_table=table))
+    for name, packed, in_pages in zip(("out", "lse", "S_dmask"), *results):
+        torch.testing.assert_close(in_pages, packed, rtol=0, atol=0, msg=name)
+
+
+def test_paged_shared_prefix():
+    """Sequences whose table rows share blocks (a common prefix, as prefix caching does): each
+    reads the shared keys, and the shared blocks' gradient is the sum of both sequences'."""
+    gen = torch.Generator().manual_seed(3)
+    page, nheads, d = 4, 2, 16
+    prefix_k, prefix_v, tail_k, tail_v = (torch.randn(n, nheads, d, generator=gen, dtype=torch.float64)
+                                          for n in (8, 8, 6, 6))
+    k = torch.cat([prefix_k, prefix_k, tail_k]).requires_grad_()  # sequence 0: the prefix; 1: prefix + tail
+    v = torch.cat([prefix_v, prefix_v, tail_v]).requires_grad_()
+    q = torch.randn(9, nheads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    cu_q, cu_k = ints([0, 3, 9]), ints([0, 8, 22])
+    expected = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 14, causal=True)
+    dout = torch.randn_like(expected)
+    dq, dk, dv = torch.autograd.grad(expected, (q, k, v), dout)
+
+    k_cache = torch.cat([prefix_k, tail_k, torch.zeros(2, nheads, d, dtype=torch.float64)]).view(4, page, nheads, d)
+    v_cache = torch.cat([prefix_v, tail_v, torch.zeros(2, nheads, d, dtype=torch.float64)]).view(4, page, nheads, d)
+    k_cache.requires_grad_(), v_cache.requires_grad_()
+    table = ints([[0, 1, 0, 0], [0, 1, 2, 3]])
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 6, 14, causal=True, block_table=table)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    dq_paged, dk_cache, dv_cache = torch.autograd.grad(out, (q, k_cache, v_cache), dout)
+    torch.testing.assert_close(dq_paged, dq, rtol=1e-12, atol=1e-12)
+    for cache_grad, grad in ((dk_cache, dk), (dv_cache, dv)):
+        rows = cache_grad.flatten(0, 1)
+        torch.testing.assert_close(rows[:8], grad[:8] + grad[8:16], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(rows[8:14], grad[16:], rtol=1e-12, atol=1e-12)
+        assert not rows[14:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_paged_cuda_graph_replay():
+    """A paged call captured in a CUDA graph and replayed with new lengths and a new block
+    table gives the eager result (no host synchronisation in the gather)."""
+    case = VARLEN_CASES_BY_NAME["mixed_lengths"]
+    inputs = case.make(torch.bfloat16, device="cuda")
+    cu_q, cu_k, _, _, max_q, max_k = inputs.sequence_args
+    paged = paged_keys(inputs.k, inputs.v, case.seqlens_k, page_size=16)
+    static = dict(cu_k=cu_k.clone(), table=paged.block_table.clone())
+
+    def call():
+        return flash_attn_varlen_func(inputs.q, paged.k_cache, paged.v_cache, cu_q, static["cu_k"], max_q, max_k,
+                                      causal=True, block_table=static["table"])
+
+    expected_first = call()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.testing.assert_close(captured, expected_first, rtol=0, atol=0)
+    # Shorter keys for every sequence (lengths 5, 0, 1, 130, 17 -> 3, 0, 1, 64, 17).
+    static["cu_k"].copy_(ints([0, 3, 3, 4, 68, 85]).cuda())
+    graph.replay()
+    expected = call()
+    torch.testing.assert_close(captured, expected, rtol=0, atol=0)
 
 
 def test_meta_shapes():
