@@ -19,9 +19,6 @@
 // Build (here, then run on the H200):
 //   mkdir -p .devrun && nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc \
 //     benchmarks/kernels/backward_sm90_check.cu -o .devrun/backward_sm90_check
-// Versions:
-//   v1  d 64 / 128 correctness over ragged, causal, window and GQA cases; timing table.
-//   v2  d 256 (the split by head dims) too.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -1,9 +1,6 @@
 // Pieces shared by the torch-free kernel harnesses in benchmarks/kernels: the checked CUDA
 // call, random-normal bf16 inputs, a wait that gives up on a hung kernel, and the median of
 // CUDA-event timings. Header only; the harnesses' build lines are in their own headers.
-// Versions:
-//   v1  split out of forward_tile_sweep.cu for backward_sm90_check.cu.
-//   v2  inputs drawn on the device.
 #pragma once
 
 #include <cuda_bf16.h>

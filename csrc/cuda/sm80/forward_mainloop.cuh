@@ -22,12 +22,6 @@
 // the next block runs under the whole S = Q K^T, softmax, P V of this one. Q stays in
 // shared memory and is re-read per block: keeping it in registers would cost W/2
 // registers per m16 tile, which the d >= 128 tiles don't have.
-//
-// Versions (benchmarks/RESULTS.md):
-//   v1  FA2-style mma.sync kernel, padded shared-memory rows, register-resident P,
-//       single K/V buffers; a branch per score for the mask.
-//   v2  masked and unmasked tiles as separate code; two K/V stages in flight.
-//   v3  O rescale skipped when no row's max moved.
 #pragma once
 
 #include <cmath>

@@ -85,16 +85,7 @@
 //
 // Build: compiled only for the sm_90a target (wgmma, setmaxnreg); instantiated through
 // backward_launch.cuh in instantiations/bwd_hdim<W>.cu; tested standalone by
-// benchmarks/kernels/backward_sm90_check.cu. Versions:
-//   v1  TMA + mbarrier ring, 1 producer + 2 consumer warpgroups, dQ split by head-dim halves
-//       with per-thread fp32 vector atomics; no overlap of a warpgroup's own products across
-//       query blocks.
-//   v2  lse2 / D prefetched by the consumers into shared memory under their named barrier (no
-//       bulk copies: racecheck clean); W = 256 through the split by head dims.
-//   v3  dq_accum in 8 x 8 tiles; by keys, dQ through shared memory and one bulk add per block
-//       by the dQ writer warp (d 128 N 8192: 392 -> 508 TFLOP/s; W = 256's atomics, now two
-//       cache lines per warp instead of eight: 275 -> 358).
-//   v4  W = 64: 128 queries per iteration, dQ split by query rows.
+// benchmarks/kernels/backward_sm90_check.cu.
 #pragma once
 
 #include <cuda.h>

@@ -4,10 +4,7 @@
 // sm_90a image.
 //
 // Build: header only, through backward_launch.cuh (instantiations/bwd_hdim<W>.cu) or the
-// standalone check benchmarks/kernels/backward_sm90_check.cu. Versions:
-//   v1  plans for W = 64 and 128.
-//   v2  W = 256, split by head dims.
-//   v3  W = 64 with 128 queries per iteration; plans per score-mod variant.
+// standalone check benchmarks/kernels/backward_sm90_check.cu.
 #pragma once
 
 #include <cuda.h>

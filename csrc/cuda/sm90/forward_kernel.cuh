@@ -24,18 +24,7 @@
 // overlaps the other's products.
 //
 // Build: compiled only for the sm_90a target (wgmma and setmaxnreg need it);
-// instantiations in instantiations/fwd_hdim<W>.cu. Versions:
-//   v1  TMA + mbarrier pipeline, 1 producer + 2 consumer warpgroups, no
-//       intra-warpgroup overlap of the two products: bf16 N 8192 fwd 377 / 528 / 647
-//       TFLOP/s at d 64 / 128 / 256 (causal 346 / 483 / 565) on the H200.
-//   v2  S_{j+1} and its softmax overlap P_j V_j within each warpgroup. With 2
-//       stages it lost (457 at d 128: the copy of block j+2 waits for block j's
-//       stage, and S_{j+2} for the copy); with 3 stages 647 / 580 causal at d 128,
-//       452 at d 64. W = 256 has room for 2 stages only and keeps v1 (618).
-//   v3  K and V in separate rings (one K/V "empty" barrier made the copy of K_{j+2}
-//       wait for P_j V_j), which lets 2 stages keep the overlap fed: W = 256 runs v2
-//       over 80-key blocks (N 8192: 582 -> 748 TFLOP/s, causal 651); W = 64 / 128
-//       unchanged within noise.
+// instantiations in instantiations/fwd_hdim<W>.cu.
 #pragma once
 
 #include <cuda.h>
