@@ -44,6 +44,10 @@ struct AttentionOptions {
   std::optional<at::Tensor> rng_state;  // int64 [seed, offset]; read when dropout_p > 0
   SequenceLayout layout;
   std::optional<at::Tensor> learnable_sink;  // fp32 (nheads,); absent: no sink
+  // ALiBi distances count from key diagonal(i) + alibi_diagonal_shift instead of the
+  // bottom-right diagonal: 0 for every op call; the CPU KV-cache path's parts of a longer
+  // sequence (cpu/kvcache_cpu.cpp) set it, their own diagonal not being the sequence's.
+  int64_t alibi_diagonal_shift = 0;
 };
 
 // Which optional features a backend implements; the rest are refused with

@@ -49,12 +49,12 @@ Differences from flash-attn, all deliberate:
   seqlen_q > seqlen_k) gets out = 0 and lse = +inf (lse = sink with a learnable_sink).
 * flash_attn_varlen_func also takes FA3's keyword-only seqused_q / seqused_k
   (int32, (batch,)): only the first seqused[b] rows of sequence b count; the rows
-  past them get out = 0, lse = +inf and zero gradients. Its block_table (paged KV)
-  raises NotImplementedError.
+  past them get out = 0, lse = +inf and zero gradients. Its block_table takes paged
+  keys and values (flashattn_ext/paged_kv.py).
 * Devices: CPU (fp32, fp64, bf16, fp16; every feature) and CUDA (fp16, bf16) where
   the build has the CUDA kernels.
-  flash_attn_with_kvcache runs on the CPU and on CUDA, without alibi_slopes; it takes no head dim that is not a multiple
-  of 8 (padding would copy the cache it must write in place).
+  flash_attn_with_kvcache runs on the CPU and on CUDA (alibi_slopes on the CPU only); it takes no head dim that is
+  not a multiple of 8 (padding would copy the cache it must write in place).
 """
 
 from __future__ import annotations
@@ -416,8 +416,9 @@ def flash_attn_with_kvcache(
         softcap: > 0 applies softcap·tanh(score / softcap).
         rotary_interleaved: True: rotate column pairs (0, 1), (2, 3), ... (GPT-J); False:
             (i, i + rotary_dim / 2) (GPT-NeoX).
-        alibi_slopes: fp32 (nheads,) or (batch, nheads); not implemented yet
-            (NotImplementedError).
+        alibi_slopes: fp32 (nheads,) or (batch, nheads): -slope·|i + seqlen_k - seqlen_q - j|
+            joins each score, i and j counted within the sequence's keys (from
+            cache_leftpad[b]); CPU only so far (NotImplementedError on CUDA).
         num_splits: split the keys into this many parts whose partial results are merged
             by log-sum-exp (1: no split; 0: the backend chooses). Changes the result by
             rounding only. Not applied to long chunks (at least 128 query rows, with

@@ -34,6 +34,8 @@ class KvcacheCase:
     batch_idx: bool = False   # cache rows picked by cache_batch_idx from a larger cache
     page_size: Optional[int] = None
     sink: bool = False
+    # None, "nheads" (shape (nheads,)) or "batch_nheads" (one row per batch entry).
+    alibi: Optional[str] = None
     seqlens: str = "random"   # "random", "zero" (an empty cache), "none" (cache_seqlens=None)
     seqlens_as_int: bool = False
 
@@ -69,6 +71,12 @@ CASES = [
     KvcacheCase("paged64_chunk", seqlen_q=9, seqlen_new=9, capacity=192, page_size=64, nheads_kv=2,
                 rotary_dim=32),
     KvcacheCase("paged256", seqlen_q=1, seqlen_new=1, capacity=512, page_size=256, nheads=8, nheads_kv=2),
+    # ALiBi measures from each query's diagonal in the whole sequence, whatever part of the
+    # keys a split holds: chunks whose queries see keys on both sides of it, leftpad, pages.
+    KvcacheCase("alibi_decode_gqa4", nheads=8, nheads_kv=2, alibi="nheads", rotary_dim=16),
+    KvcacheCase("alibi_chunk_not_causal_per_batch", seqlen_q=5, seqlen_new=3, causal=False, alibi="batch_nheads"),
+    KvcacheCase("alibi_window_leftpad_paged16_softcap", seqlen_q=4, seqlen_new=4, causal=False, window=(9, 2),
+                leftpad=True, page_size=16, softcap=4.0, alibi="nheads", nheads=4, nheads_kv=2),
 ]
 CASES_BY_NAME = {case.name: case for case in CASES}
 
@@ -87,13 +95,15 @@ class KvcacheInputs:
     cache_leftpad: Optional[torch.Tensor]
     block_table: Optional[torch.Tensor]
     learnable_sink: Optional[torch.Tensor]
+    alibi_slopes: Optional[torch.Tensor]
 
     def func_kwargs(self, case: KvcacheCase) -> dict:
         return dict(k=self.k, v=self.v, rotary_cos=self.rotary_cos, rotary_sin=self.rotary_sin,
                     cache_seqlens=self.cache_seqlens, cache_batch_idx=self.cache_batch_idx,
                     cache_leftpad=self.cache_leftpad, block_table=self.block_table, causal=case.causal,
                     window_size=case.window, softcap=case.softcap,
-                    rotary_interleaved=case.rotary_interleaved, learnable_sink=self.learnable_sink)
+                    rotary_interleaved=case.rotary_interleaved, alibi_slopes=self.alibi_slopes,
+                    learnable_sink=self.learnable_sink)
 
     def op_args(self, case: KvcacheCase, num_splits: int = 1) -> tuple:
         """Positional arguments of the op (cache_seqlens as a tensor)."""
@@ -103,7 +113,7 @@ class KvcacheInputs:
         return (self.q, self.k_cache, self.v_cache, self.k, self.v, self.rotary_cos, self.rotary_sin,
                 seqlens, self.cache_batch_idx, self.cache_leftpad, self.block_table,
                 self.q.size(-1) ** -0.5, case.causal, case.window[0], case.window[1], case.softcap,
-                case.rotary_interleaved, None, num_splits, self.learnable_sink)
+                case.rotary_interleaved, self.alibi_slopes, num_splits, self.learnable_sink)
 
     def clone_caches(self) -> "KvcacheInputs":
         return dataclasses.replace(self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone())
@@ -159,5 +169,9 @@ def make_inputs(case: KvcacheCase, dtype: torch.dtype, device="cpu", seed: int =
     if case.seqlen_new:
         k, v = randn(b, case.seqlen_new, hk, d), randn(b, case.seqlen_new, hk, d)
     sink = (torch.randn(case.nheads, generator=gen) + 1.0).to(device) if case.sink else None
+    alibi_slopes = None
+    if case.alibi is not None:
+        shape = (case.nheads,) if case.alibi == "nheads" else (b, case.nheads)
+        alibi_slopes = (torch.rand(*shape, generator=gen) * 0.5 + 0.05).to(device)
     return KvcacheInputs(randn(b, case.seqlen_q, case.nheads, d), k_cache, v_cache, k, v, rotary_cos,
-                         rotary_sin, cache_seqlens, batch_idx, leftpad, block_table, sink)
+                         rotary_sin, cache_seqlens, batch_idx, leftpad, block_table, sink, alibi_slopes)

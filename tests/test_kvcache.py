@@ -98,8 +98,12 @@ def reference_attention(case: KvcacheCase, inputs: KvcacheInputs, k_cache, v_cac
         row = torch.tensor([r for _, r in rows], dtype=torch.long)
         keys, values = k_cache.cpu()[index, row].unsqueeze(0), v_cache.cpu()[index, row].unsqueeze(0)
         sink = inputs.learnable_sink.cpu() if inputs.learnable_sink is not None else None
+        slopes = inputs.alibi_slopes.cpu() if inputs.alibi_slopes is not None else None
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b:b + 1]
         out, lse = attention_reference(q[b:b + 1], keys, values, causal=case.causal, window=case.window,
-                                       softcap=case.softcap, learnable_sink=sink, compute_dtype=compute_dtype)
+                                       softcap=case.softcap, alibi_slopes=slopes, learnable_sink=sink,
+                                       compute_dtype=compute_dtype)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -264,8 +268,8 @@ def _error_cases():
          RuntimeError, r"rotary_cos and rotary_sin must have a row for every rotated position"),
         ("new_keys_without_seqlens", *change(dense, cache_seqlens=None, rotary_cos=None, rotary_sin=None),
          RuntimeError, r"k_new and v_new need cache_seqlens"),
-        ("alibi_on_cpu", *change(dense, dict(alibi_slopes=torch.ones(dense.nheads))), NotImplementedError,
-         r"alibi_slopes is not implemented in flash_attn_with_kvcache on CPU"),
+        ("alibi_shape", *change(dense, alibi_slopes=torch.ones(3)), RuntimeError,
+         r"alibi_slopes must have shape \(nheads,\) = \(8,\) or \(batch, nheads\) = \(2, 8\), got \[3\]"),
         ("num_splits_negative", *change(dense, dict(num_splits=-1)), RuntimeError, r"num_splits must be >= 0"),
         ("head_dim_not_multiple_of_8", *change(dense, q=lambda i: i.q[..., :60], k_cache=lambda i: i.k_cache[..., :60],
                                                v_cache=lambda i: i.v_cache[..., :60], k=lambda i: i.k[..., :60],

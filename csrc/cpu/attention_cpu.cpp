@@ -66,6 +66,7 @@
 #include "attention_api.h"
 #include "attention_ops.h"
 #include "common/philox.h"
+#include "cpu/attention_cpu.h"
 #include "cpu/cpu_dtypes.h"
 
 // at::parallel_for is a header template: with an OpenMP ATen it only runs in
@@ -112,6 +113,7 @@ struct Problem {
   int64_t first_batch_entry;
   const float* alibi_slopes;  // nullptr: off; else the slopes of entry first_batch_entry
   int64_t alibi_batch_stride;
+  int64_t alibi_diagonal_shift;  // AttentionOptions'
   const float* learnable_sink;  // nullptr: off; (nheads_q,) natural-log logits
   std::optional<DropoutGenerator> dropout;
   acc_t dropout_scale;  // 1 / (1 - dropout_p): the scale of a kept probability
@@ -132,6 +134,7 @@ struct Problem {
         first_batch_entry(first_batch_entry),
         alibi_slopes(nullptr),
         alibi_batch_stride(0),
+        alibi_diagonal_shift(opts.alibi_diagonal_shift),
         learnable_sink(opts.learnable_sink ? opts.learnable_sink->data_ptr<float>() : nullptr),
         dropout(dropout),
         dropout_scale(static_cast<acc_t>(1.0 / (1.0 - opts.dropout_p))),
@@ -279,7 +282,7 @@ void compute_scores(const Problem<acc_t>& pb, const at::Tensor& q_scaled,
     std::fill(row, row + begin, kMinusInf);
     std::fill(row + end, row + cols, kMinusInf);
     if (slope != 0) {
-      const int64_t diagonal_col = pb.diagonal(i) - j0;
+      const int64_t diagonal_col = pb.diagonal(i) + pb.alibi_diagonal_shift - j0;
       for (int64_t c = begin; c < end; ++c) {
         row[c] -= slope * static_cast<acc_t>(std::abs(diagonal_col - c));
       }
@@ -814,9 +817,15 @@ at::Tensor attention_probabilities_cpu(FLASHATTN_PROBABILITIES_ARGS) {
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(FLASHATTN_FORWARD_ARGS) {
-  const AttentionOptions opts =
-      make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                   dropout_p, rng_state, SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, learnable_sink);
+  return attention_forward_cpu_with_options(
+      q, k, v,
+      make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                   SequenceLayout{FLASHATTN_SEQUENCE_ARG_NAMES}, learnable_sink));
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cpu_with_options(const at::Tensor& q, const at::Tensor& k,
+                                                                      const at::Tensor& v,
+                                                                      const AttentionOptions& opts) {
   check_forward_inputs(q, k, v, opts, kCpuBackend);
   // make_parts reads the sequence tensors as they are: their values must be sound.
   check_sequence_values(q, k, opts);

@@ -6,8 +6,8 @@
 //   2. q is rotated (rotary positions are cache rows: see rotary_q_positions_advance);
 //   3. each batch entry's keys, rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1
 //      of its cache row, are cut into num_splits parts; each part's attention (out
-//      normalised over the part's keys, and lse) is attention_forward_cpu on the part,
-//      the mask shifted so that it is the whole sequence's bottom-right mask
+//      normalised over the part's keys, and lse) is the CPU forward on the part,
+//      the mask and the ALiBi distances shifted so that they are the whole sequence's
 //      (split_problem); the parts are merged by log-sum-exp (merge_splits), the learnable
 //      sink joining there. This is the split-KV decomposition a CUDA kernel runs for decode,
 //      and merge_splits is what its combine step must compute.
@@ -24,15 +24,14 @@
 #include <vector>
 
 #include "attention_ops.h"
+#include "cpu/attention_cpu.h"
 #include "cpu/cpu_dtypes.h"
 #include "kvcache_api.h"
 
 namespace flashattn {
 namespace {
 
-// ALiBi distances are measured from each query's diagonal, which split_problem moves for
-// every part: the decomposition would need an offset the attention op does not take.
-constexpr BackendFeatures kCpuKvcacheBackend{"CPU", /*softcap=*/true, /*alibi=*/false, /*dropout=*/false,
+constexpr BackendFeatures kCpuKvcacheBackend{"CPU", /*softcap=*/true, /*alibi=*/true, /*dropout=*/false,
                                              /*learnable_sink=*/true, cpu_dtype_supported};
 
 // num_splits = 0: the CPU parallelises over heads and query blocks within each part, and
@@ -149,9 +148,11 @@ void append_new_keys(const at::Tensor& k_cache, const at::Tensor& v_cache, const
 // Keys [key_begin, key_end) of a sequence of seqlen_k keys, and the queries that see any
 // of them, as a dense attention problem whose own bottom-right mask is the sequence's mask
 // restricted to those keys: queries [0, rows), keys [key_begin, key_end), window
-// (window_left, window_right). Queries past `rows` see none of the part's keys.
+// (window_left, window_right), and ALiBi distances from diagonal + diagonal_shift (the
+// sequence's diagonal in the part's key numbering). Queries past `rows` see none of the
+// part's keys.
 struct SplitProblem {
-  int64_t rows, key_end, window_left, window_right;
+  int64_t rows, key_end, window_left, window_right, diagonal_shift;
   bool empty(int64_t key_begin) const { return rows == 0 || key_end <= key_begin; }
 };
 
@@ -168,6 +169,7 @@ SplitProblem split_problem(int64_t seqlen_q, int64_t seqlen_k, int64_t left, int
   const int64_t shift = (seqlen_k - p.key_end) - (seqlen_q - p.rows);
   p.window_left = left < 0 ? -1 : left - shift;
   p.window_right = right < 0 ? -1 : right + shift;
+  p.diagonal_shift = shift;
   return p;
 }
 
@@ -213,16 +215,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   at::Tensor lse_parts = at::full({num_splits, s.nheads_q, seqlen_q}, -kInf, acc);
   const int64_t left = opts.window_left < 0 ? -1 : opts.window_left;
   const int64_t right = opts.causal ? 0 : (opts.window_right < 0 ? -1 : opts.window_right);
+  // (batch, nheads) slopes: this entry's row, as a batch of one.
+  std::optional<at::Tensor> slopes = opts.alibi_slopes;
+  if (slopes && slopes->dim() == 2) slopes = slopes->narrow(0, b, 1);
   for (int64_t part = 0; part < num_splits; ++part) {
     const int64_t begin = std::min(seqlen_k, part * part_size), end = std::min(seqlen_k, begin + part_size);
     const SplitProblem p = split_problem(seqlen_q, seqlen_k, left, right, end);
     if (p.empty(begin)) continue;
-    const auto [part_out, part_lse] = attention_forward_cpu(
-        q_rows.narrow(0, 0, p.rows).unsqueeze(0), keys.narrow(0, begin, p.key_end - begin).unsqueeze(0),
-        values.narrow(0, begin, p.key_end - begin).unsqueeze(0), opts.softmax_scale, /*causal=*/false,
-        p.window_left, p.window_right, opts.softcap, /*alibi_slopes=*/std::nullopt, /*dropout_p=*/0.0,
-        /*rng_state=*/std::nullopt, /*deterministic=*/false, std::nullopt, std::nullopt, std::nullopt,
-        std::nullopt, -1, -1, /*learnable_sink=*/std::nullopt);
+    AttentionOptions part_opts{opts.softmax_scale, /*causal=*/false, p.window_left, p.window_right, opts.softcap,
+                               slopes, /*dropout_p=*/0.0, /*rng_state=*/std::nullopt, SequenceLayout{},
+                               /*learnable_sink=*/std::nullopt};
+    part_opts.alibi_diagonal_shift = p.diagonal_shift;
+    const auto [part_out, part_lse] =
+        attention_forward_cpu_with_options(q_rows.narrow(0, 0, p.rows).unsqueeze(0),
+                                           keys.narrow(0, begin, p.key_end - begin).unsqueeze(0),
+                                           values.narrow(0, begin, p.key_end - begin).unsqueeze(0), part_opts);
     out_parts[part].narrow(0, 0, p.rows).copy_(part_out[0]);
     // attention_forward marks a row without keys with lse +inf; in a merge it weighs nothing.
     lse_parts[part].narrow(1, 0, p.rows).copy_(part_lse[0].masked_fill(part_lse[0] == kInf, -kInf));
