@@ -282,8 +282,10 @@ def flash_attn_varlen_func(
             2.x's layout): k, v (num_blocks, page_size, nheads_kv, head_dim), any page_size;
             key row r of sequence b in block block_table[b][r // page_size], row
             r % page_size, sequence b's length cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or
-            seqused_k[b]). The rows a call reads are gathered into one copy first
-            (flashattn_ext/paged_kv.py); differentiable, the gradients reaching the pages.
+            seqused_k[b]). A decoding step (one query row per sequence, no gradient,
+            dropout or ALiBi) reads the pages in place (flash_attn_with_kvcache's kernel);
+            otherwise the rows a call reads are gathered into one copy first
+            (flashattn_ext/paged_kv.py), differentiable, the gradients reaching the pages.
         seqused_q, seqused_k (keyword only, as FA3): int32 (batch,); only the first
             seqused[b] rows of sequence b are used, the others get out = 0, lse = +inf and
             zero gradients.
@@ -300,8 +302,15 @@ def flash_attn_varlen_func(
     if block_table is not None:
         for t, name in ((q, "q"), (k, "k"), (v, "v")):
             checks.check_is_tensor(t, name)
-        k, v, lengths = paged_kv.gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.max_seqlen_k,
-                                              seqused_k, block_table)
+        lengths = paged_kv.checked_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.max_seqlen_k, seqused_k,
+                                           block_table)
+        if paged_kv.decodes_in_place(q, k, v, cu_seqlens_q, layout.max_seqlen_q, seqused_q, float(dropout_p),
+                                     alibi_slopes, learnable_sink):
+            window_left, window_right = checks.check_window_size(window_size)
+            out, lse = paged_kv.decode(q, k, v, lengths, block_table, _softmax_scale(softmax_scale, q.size(-1)),
+                                       bool(causal), window_left, window_right, float(softcap), learnable_sink)
+            return (out, lse, None) if return_attn_probs else out
+        k, v = paged_kv.gather_pages(k, v, lengths, layout.max_seqlen_k, block_table)
         layout = checks.SequenceLayout(cu_seqlens_q, None, seqused_q, lengths, layout.max_seqlen_q, -1)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, layout)

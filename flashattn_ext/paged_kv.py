@@ -6,8 +6,11 @@ block_table[b][r // page_size], at row r % page_size; sequence b has seqused_k[b
 cu_seqlens_k[b + 1] - cu_seqlens_k[b] (only those differences count: where the pages
 are is the block table's business). Entries past a sequence's last page are never used.
 
-The attention ops take dense or packed keys, so the rows a call can read are gathered
-first into one (batch, width, nheads_kv, head_dim) tensor per cache, width =
+A decoding call (one query row per sequence, no gradient, no dropout or ALiBi) runs on
+flash_attn_with_kvcache's op, which reads the pages in place (split-KV, packed GQA).
+
+Any other call: the attention ops take dense or packed keys, so the rows a call can read
+are gathered first into one (batch, width, nheads_kv, head_dim) tensor per cache, width =
 min(max_seqlen_k, max_blocks_per_seq * page_size), sequence b's keys its first rows (the
 op's seqused_k). That copy costs memory and traffic of its size; it needs no host
 synchronisation (entries are clamped into range before indexing, so the gather never
@@ -28,6 +31,7 @@ from typing import Tuple
 import torch
 
 from . import checks
+from . import ops
 
 _PAGED_LAYOUT = "(num_blocks, page_size, nheads_kv, head_dim) (block_table given)"
 
@@ -114,19 +118,63 @@ def _gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return cache.flatten(0, 1)[rows]
 
 
-def gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, seqused_k,
-                 block_table) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k_rows, v_rows, lengths): each sequence's keys and values as the first rows of a
-    (batch, width, nheads_kv, head_dim) tensor, and its number of keys (int32 (batch,)), the
-    op's seqused_k."""
+def checked_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, seqused_k,
+                    block_table) -> torch.Tensor:
+    """Each sequence's number of keys, int32 (batch,) (the op's seqused_k), the arguments
+    checked."""
     _check_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, seqused_k, block_table)
-    num_blocks, page_size = k.size(0), k.size(1)
-    width = min(max_seqlen_k, block_table.size(1) * page_size)
     lengths = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     if _host_value_checks_enabled(q.device):
-        _check_values(lengths, cu_seqlens_k, block_table, num_blocks, page_size, width, max_seqlen_k,
-                      seqused_k is not None)
+        _check_values(lengths, cu_seqlens_k, block_table, k.size(0), k.size(1), _width(k, max_seqlen_k, block_table),
+                      max_seqlen_k, seqused_k is not None)
+    return lengths
+
+
+def _width(k, max_seqlen_k: int, block_table) -> int:
+    return min(max_seqlen_k, block_table.size(1) * k.size(1))
+
+
+def _rows_16_byte_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+
+
+def decodes_in_place(q, k, v, cu_seqlens_q, max_seqlen_q: int, seqused_q, dropout_p: float, alibi_slopes,
+                     learnable_sink) -> bool:
+    """Whether the call is a decoding step flash_attn_with_kvcache's op computes the same, on
+    the pages in place: one query row per sequence (max_seqlen_q = 1 and as many rows as
+    sequences: no synchronisation to know it), no gradient, no dropout (that op has neither),
+    no ALiBi (not in its CUDA kernel yet), and caches it reads as they are (a head dim
+    multiple of 8, pages of a multiple of 16 rows, rows at 16-byte multiples). Where values
+    are checked, cu_seqlens_q must also be 0, 1, ..., batch: a call that only claims one
+    row per sequence goes the other way, whose op names what is wrong."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
+    batch = cu_seqlens_q.size(0) - 1
+    if not (max_seqlen_q == 1 and q.dim() == 3 and q.size(0) == batch and seqused_q is None and dropout_p == 0.0
+            and alibi_slopes is None and not needs_grad and q.size(-1) % 8 == 0 and k.size(1) % 16 == 0
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and _rows_16_byte_aligned(k) and _rows_16_byte_aligned(v)):
+        return False
+    if _host_value_checks_enabled(q.device):
+        one_row_each = torch.arange(batch + 1, dtype=cu_seqlens_q.dtype, device=cu_seqlens_q.device)
+        return bool(torch.equal(cu_seqlens_q, one_row_each))
+    return True
+
+
+def decode(q, k, v, lengths, block_table, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+           softcap: float, learnable_sink) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out (batch, nheads, head_dim), lse (nheads, batch)) of a decodes_in_place call."""
+    out, lse = ops.attention_kvcache_forward(
+        q.unsqueeze(1), k, v, None, None, None, None, lengths.contiguous(), None, None, block_table, softmax_scale,
+        causal, window_left, window_right, softcap, True, None, 0, learnable_sink)
+    return out.squeeze(1), lse.squeeze(2).t().contiguous()
+
+
+def gather_pages(k, v, lengths, max_seqlen_k: int, block_table) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(k_rows, v_rows): each sequence's keys and values (the first lengths[b] rows of
+    its pages) as the first rows of a (batch, width, nheads_kv, head_dim) tensor."""
+    num_blocks, page_size = k.size(0), k.size(1)
+    width = _width(k, max_seqlen_k, block_table)
     positions = torch.arange(width, device=block_table.device)
     blocks = block_table[:, positions // page_size].long().clamp(0, max(num_blocks - 1, 0))
     rows = blocks * page_size + positions % page_size
-    return _gather(k, rows), _gather(v, rows), lengths
+    return _gather(k, rows), _gather(v, rows)

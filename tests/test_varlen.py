@@ -570,6 +570,81 @@ def test_paged_shared_prefix():
         assert not rows[14:].any()
 
 
+def decode_inputs(device, dtype, grad=False):
+    """A decoding step in varlen form: one query row per sequence (keys 0, 1, 37, 100, 64),
+    GQA 8/2, d 64; keys and values packed, and the same in pages of 16 rows."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = (0, 1, 37, 100, 64)
+    q, k, v = (torch.randn(n, heads, 64, generator=gen).to(device, dtype)
+               for n, heads in ((len(lengths), 8), (sum(lengths), 2), (sum(lengths), 2)))
+    paged = paged_keys(k, v, lengths, page_size=16)
+    cu_q = torch.arange(len(lengths) + 1, dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    if grad:
+        q.requires_grad_()
+    return q, k, v, paged, cu_q, cu_k, max(lengths)
+
+
+DECODE_VARIANTS = [dict(causal=True), dict(window_size=(20, 0), softcap=5.0),
+                   dict(learnable_sink=torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 1.5]))]
+
+
+def check_decode_in_place(device, dtype, kwargs, monkeypatch, tolerance):
+    """A decoding step reads the pages through flash_attn_with_kvcache's op, once, and gives
+    the packed call's out and lse."""
+    calls = []
+    kvcache_op = flashattn_ext.ops.attention_kvcache_forward
+    monkeypatch.setattr(flashattn_ext.ops, "attention_kvcache_forward",
+                        lambda *args: calls.append(1) or kvcache_op(*args))
+    q, k, v, paged, cu_q, cu_k, max_k = decode_inputs(device, dtype)
+    kwargs = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+    expected = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max_k, return_attn_probs=True, **kwargs)
+    assert not calls
+    out, lse, probs = flash_attn_varlen_func(q, paged.k_cache, paged.v_cache, cu_q, cu_k, 1, max_k,
+                                             return_attn_probs=True, block_table=paged.block_table, **kwargs)
+    assert len(calls) == 1 and probs is None
+    assert out.shape == expected[0].shape and lse.shape == expected[1].shape and lse.is_contiguous()
+    torch.testing.assert_close(out, expected[0], **tolerance)
+    torch.testing.assert_close(lse, expected[1], **tolerance)
+
+
+@pytest.mark.parametrize("kwargs", DECODE_VARIANTS, ids=("causal", "window_softcap", "sink"))
+def test_paged_decode_reads_pages_in_place(kwargs, monkeypatch):
+    check_decode_in_place("cpu", torch.float32, kwargs, monkeypatch, dict(rtol=1e-5, atol=1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kwargs", DECODE_VARIANTS, ids=("causal", "window_softcap", "sink"))
+def test_paged_decode_reads_pages_in_place_cuda(kwargs, monkeypatch):
+    check_decode_in_place("cuda", torch.bfloat16, kwargs, monkeypatch, dict(rtol=2e-2, atol=2e-2))
+
+
+def test_paged_decode_with_a_gradient_or_dropout_gathers(monkeypatch):
+    """What flash_attn_with_kvcache's op cannot do (a gradient, dropout) gathers the pages."""
+    calls = []
+    kvcache_op = flashattn_ext.ops.attention_kvcache_forward
+    monkeypatch.setattr(flashattn_ext.ops, "attention_kvcache_forward",
+                        lambda *args: calls.append(1) or kvcache_op(*args))
+    q, k, v, paged, cu_q, cu_k, max_k = decode_inputs("cpu", torch.float32, grad=True)
+    out = flash_attn_varlen_func(q, paged.k_cache, paged.v_cache, cu_q, cu_k, 1, max_k, block_table=paged.block_table)
+    torch.testing.assert_close(out, flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max_k), rtol=0, atol=0)
+    assert torch.autograd.grad(out.sum(), q)[0].shape == q.shape
+    with torch.no_grad():
+        flash_attn_varlen_func(q, paged.k_cache, paged.v_cache, cu_q, cu_k, 1, max_k, dropout_p=0.1,
+                               block_table=paged.block_table)
+    assert not calls
+
+
+def test_paged_decode_checks_cu_seqlens_q():
+    """One row per sequence is read from the shapes (max_seqlen_q = 1, as many rows as
+    sequences); cu_seqlens_q that says otherwise is refused by name, not trusted."""
+    q, k, v, paged, _, cu_k, max_k = decode_inputs("cpu", torch.float32)
+    with pytest.raises(RuntimeError, match=r"sequence 2 of cu_seqlens_q has 2 rows, more than max_seqlen_q = 1"):
+        flash_attn_varlen_func(q, paged.k_cache, paged.v_cache, ints([0, 1, 1, 3, 4, 5]), cu_k, 1, max_k,
+                               block_table=paged.block_table)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_paged_cuda_graph_replay():
