@@ -620,6 +620,15 @@ def test_paged_decode_reads_pages_in_place_cuda(kwargs, monkeypatch):
     check_decode_in_place("cuda", torch.bfloat16, kwargs, monkeypatch, dict(rtol=2e-2, atol=2e-2))
 
 
+def test_paged_decode_with_a_strided_q():
+    q, k, v, paged, cu_q, cu_k, max_k = decode_inputs("cpu", torch.float32)
+    strided = torch.stack([q, -q], dim=-1)[..., 0]  # q's values, last-dim stride 2
+    assert strided.stride(-1) == 2
+    out = flash_attn_varlen_func(strided, paged.k_cache, paged.v_cache, cu_q, cu_k, 1, max_k,
+                                 block_table=paged.block_table)
+    torch.testing.assert_close(out, flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max_k), rtol=1e-5, atol=1e-6)
+
+
 def test_paged_decode_with_a_gradient_or_dropout_gathers(monkeypatch):
     """What flash_attn_with_kvcache's op cannot do (a gradient, dropout) gathers the pages."""
     calls = []
