@@ -164,8 +164,8 @@ def decode(q, k, v, lengths, block_table, softmax_scale: float, causal: bool, wi
            softcap: float, learnable_sink) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out (batch, nheads, head_dim), lse (nheads, batch)) of a decodes_in_place call."""
     out, lse = ops.attention_kvcache_forward(
-        ops.unit_stride_last_dim(q).unsqueeze(1), k, v, None, None, None, None, lengths.contiguous(), None, None, block_table, softmax_scale,
-        causal, window_left, window_right, softcap, True, None, 0, learnable_sink)
+        ops.unit_stride_last_dim(q).unsqueeze(1), k, v, None, None, None, None, lengths.contiguous(), None, None,
+        block_table, softmax_scale, causal, window_left, window_right, softcap, True, None, 0, learnable_sink)
     return out.squeeze(1), lse.squeeze(2).t().contiguous()
 
 
