@@ -26,11 +26,13 @@ flash_attention_2 path (the semantics models written for it rely on):
 * ``sliding_window`` (a window of that many keys including the query's own, as
   transformers defines it) becomes ``window_size``, ``softcap`` is passed through,
   ``dropout`` too: dropout > 0 (a model in training mode with attention dropout) runs
-  on the CPU and on CUDA.
+  on the CPU and on CUDA;
+* attention sinks (``s_aux``, gpt-oss: one logit per head in every row's softmax
+  denominator) become ``learnable_sink``, in fp32, with their gradient.
 
 Mask patterns this cannot express are refused rather than ignored: a 4-D mask, a
 model's extra mask functions (e.g. bidirectional image tokens, block overlays),
-chunked attention past the chunk size, attention sinks (``s_aux``).
+chunked attention past the chunk size.
 """
 
 from __future__ import annotations
@@ -90,8 +92,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       max_length_q=None, max_length_k=None, **kwargs):
     """transformers attention function: query (batch, heads, q_len, dim), key/value
     (batch, kv_heads, kv_len, dim) -> (output (batch, q_len, heads, dim), None)."""
-    if s_aux is not None:
-        raise NotImplementedError("flashattn_ext: attention sinks (s_aux) are not supported")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     key_length = key.shape[2]
@@ -100,7 +100,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     window = ((sliding_window - 1, sliding_window - 1)
               if sliding_window is not None and key_length > sliding_window else (-1, -1))
     options = dict(dropout_p=dropout, softmax_scale=scaling, causal=bool(is_causal),
-                   window_size=window, softcap=0.0 if softcap is None else softcap)
+                   window_size=window, softcap=0.0 if softcap is None else softcap,
+                   learnable_sink=None if s_aux is None else s_aux.float())
     # The kernels take (batch, seq, heads, dim) with any strides but the last: views.
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     batch, q_len = q.shape[:2]
