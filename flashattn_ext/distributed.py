@@ -24,7 +24,11 @@ so causal and the sliding window are the ordinary diagonal ones). The op's mask
 is relative to the bottom-right corner of the q and k it is given, so each
 block's part of the global mask is rebuilt by trimming the block to the rows
 and keys that see one another (_band_call): causal and any sliding window are
-exact. ALiBi is not (its bias needs a per-block distance offset the op lacks),
+exact. softcap acts on each score alone, so every block applies it. A learnable
+sink joins each row's denominator once: folded into the merged (out, lse) after
+the last step, its gradient -sum(exp(sink - lse) * rowsum(dout * out)) over this
+rank's rows (the ranks' shares add up like those of any replicated parameter).
+ALiBi is not exact (its bias needs a per-block distance offset the op lacks),
 nor is dropout (its mask is keyed by the row and column within the op's call, so
 the blocks would need global offsets too); both raise NotImplementedError.
 
@@ -206,7 +210,8 @@ def _held_block_calls(layout, ring: _Ring, step: int, local_len: int, lo, hi) ->
                         _segments(layout, source, ring.size, local_len), lo, hi)
 
 
-def _ring_forward(q, kv, layout, softmax_scale, lo, hi, ring: _Ring):
+def _ring_forward(q, kv, layout, softmax_scale, softcap, lo, hi, ring: _Ring):
+    """(out in fp32 (fp64 for fp64 inputs), lse) merged over every held block."""
     local_len = q.size(1)
     out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     lse = torch.full((q.size(0), q.size(2), local_len), math.inf, dtype=checks.lse_dtype(q.dtype),
@@ -216,15 +221,32 @@ def _ring_forward(q, kv, layout, softmax_scale, lo, hi, ring: _Ring):
         for qs, qe, ks, ke, left, right in _held_block_calls(layout, ring, step, local_len, lo, hi):
             block_out, block_lse = ops.attention_forward(
                 q[:, qs:qe], kv[0, :, ks:ke], kv[1, :, ks:ke], softmax_scale, False, left, right,
-                0.0, None, 0.0, None, False)
+                softcap, None, 0.0, None, False)
             out[:, qs:qe], lse[:, :, qs:qe] = merge_attention_outputs(
                 out[:, qs:qe], lse[:, :, qs:qe], block_out, block_lse)
         if incoming is not None:
             kv = incoming.wait()
-    return out.to(q.dtype), lse
+    return out, lse
 
 
-def _ring_backward(dout, q, kv, out, lse, layout, softmax_scale, lo, hi, deterministic, ring: _Ring):
+def _fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) with the sink's logit joining each row's denominator: lse' =
+    logaddexp(lse, sink), out scaled by exp(lse - lse'); a row without keys gets out 0,
+    lse = sink."""
+    keys = lse.masked_fill(lse == math.inf, -math.inf)
+    folded = torch.logaddexp(keys, sink.to(lse.dtype).view(1, -1, 1))
+    return out * torch.exp(keys - folded).transpose(1, 2).unsqueeze(-1).to(out.dtype), folded
+
+
+def _sink_gradient(dout, out, lse, sink) -> torch.Tensor:
+    """d loss / d sink over this rank's rows: -sum exp(sink - lse) rowsum(dout * out)."""
+    wide = lse.dtype
+    delta = (dout.to(wide) * out.to(wide)).sum(-1).transpose(1, 2)  # (batch, nheads, rows)
+    share = torch.exp(sink.to(wide).view(1, -1, 1) - lse)
+    return -(share * delta).sum(dim=(0, 2)).to(sink.dtype)
+
+
+def _ring_backward(dout, q, kv, out, lse, layout, softmax_scale, softcap, lo, hi, deterministic, ring: _Ring):
     local_len = q.size(1)
     wide = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=wide, device=q.device)
@@ -236,7 +258,7 @@ def _ring_backward(dout, q, kv, out, lse, layout, softmax_scale, lo, hi, determi
             q_rows, k_rows, v_rows = q[:, qs:qe], kv[0, :, ks:ke], kv[1, :, ks:ke]
             block_dq, block_dk, block_dv, _ = ops.run_backward(
                 dout[:, qs:qe], q_rows, k_rows, v_rows, out[:, qs:qe], lse[:, :, qs:qe], softmax_scale,
-                False, left, right, 0.0, None, 0.0, None, deterministic)
+                False, left, right, softcap, None, 0.0, None, deterministic)
             dq[:, qs:qe] += block_dq
             dkv[0, :, ks:ke] += block_dk
             dkv[1, :, ks:ke] += block_dv
@@ -252,22 +274,28 @@ def _ring_backward(dout, q, kv, out, lse, layout, softmax_scale, lo, hi, determi
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, softmax_scale, lo, hi, deterministic, ring):
+    def forward(ctx, q, k, v, sink, layout, softmax_scale, softcap, lo, hi, deterministic, ring):
         # One tensor, so one message per hop.
         kv = torch.stack([k, v])
-        out, lse = _ring_forward(q, kv, layout, softmax_scale, lo, hi, ring)
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.args = (layout, softmax_scale, lo, hi, deterministic, ring)
+        out, lse = _ring_forward(q, kv, layout, softmax_scale, softcap, lo, hi, ring)
+        if sink is not None:
+            out, lse = _fold_sink(out, lse, sink)
+        # Every block's backward recomputes P from this out and lse: the sink's share included.
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse, sink)
+        ctx.args = (layout, softmax_scale, softcap, lo, hi, deterministic, ring)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         del dlse  # lse has no gradient, as in flash_attn_func
-        q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = _ring_backward(ops.unit_stride_last_dim(dout), q, kv, out, lse, *ctx.args)
-        return (dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype),
-                None, None, None, None, None, None)
+        q, kv, out, lse, sink = ctx.saved_tensors
+        dout = ops.unit_stride_last_dim(dout)
+        dq, dkv = _ring_backward(dout, q, kv, out, lse, *ctx.args)
+        dsink = _sink_gradient(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[3] else None
+        return (dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), dsink,
+                None, None, None, None, None, None, None)
 
 
 def _process_group(group):
@@ -299,25 +327,29 @@ def _check_shard_lengths(q, k, layout: str, world_size: int) -> None:
             f"{2 * world_size}): got {q.size(1)}")
 
 
-def _check_local_shard(q, k, v, softmax_scale, dropout_p) -> None:
-    """The op's own checks (its Meta kernel: shapes, dtypes, strides, the scalars) on this
-    rank's shards, before any rank sends: every rank fails alike, none waits on a peer."""
+def _check_local_shard(q, k, v, softmax_scale, dropout_p, softcap, learnable_sink) -> None:
+    """The op's own checks (its Meta kernel: shapes, dtypes, strides, the scalars, the sink)
+    on this rank's shards, before any rank sends: every rank fails alike, none waits on a peer."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         checks.check_is_tensor(t, name)
-    shards = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, k, v)]
+    if learnable_sink is not None:
+        checks.check_is_tensor(learnable_sink, "learnable_sink")
+    on_meta = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+               for t in (q, k, v, learnable_sink)]
+    shards, sink = on_meta[:3], on_meta[3]
     head_dim = q.size(-1) if q.dim() > 0 else 0
     # A valid dropout_p > 0 is refused by ring attention itself (after this); an invalid
     # one (negative, NaN, >= 1) goes to the op's check.
     checked_dropout_p = 0.0 if 0.0 < dropout_p < 1.0 else dropout_p
     ops.attention_forward(*_kernel_operands(*shards), _softmax_scale(softmax_scale, head_dim), False, -1,
-                          -1, 0.0, None, checked_dropout_p, None)
+                          -1, float(softcap), None, checked_dropout_p, None, learnable_sink=sink)
 
 
-def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                    deterministic, return_attn_probs, group, layout):
+def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                    deterministic, return_attn_probs, learnable_sink, group, layout):
     ring = _Ring(_process_group(group))
     dropout_p = float(dropout_p)
-    _check_local_shard(q, k, v, softmax_scale, dropout_p)
+    _check_local_shard(q, k, v, softmax_scale, dropout_p, softcap, learnable_sink)
     _check_shard_lengths(q, k, layout, ring.size)
     if dropout_p > 0.0:
         raise NotImplementedError(
@@ -330,8 +362,8 @@ def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alib
     lo, hi = _mask_bounds(causal, window_size)
     head_dim = q.size(-1)
     softmax_scale = _softmax_scale(softmax_scale, head_dim)
-    out, lse = _RingAttention.apply(*_kernel_operands(q, k, v), layout, softmax_scale, lo, hi,
-                                    bool(deterministic), ring)
+    out, lse = _RingAttention.apply(*_kernel_operands(q, k, v), learnable_sink, layout, softmax_scale,
+                                    float(softcap), lo, hi, bool(deterministic), ring)
     out = out[..., :head_dim]
     if return_attn_probs:
         return out, lse, None
@@ -339,8 +371,10 @@ def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alib
 
 
 _FUNC_DOC = """
-    Arguments are those of flash_attn_func (without softcap), plus ``group``:
-    the process group whose ranks hold the shards (default: the world).
+    Arguments are those of flash_attn_func, plus ``group``: the process group
+    whose ranks hold the shards (default: the world); learnable_sink (keyword
+    only) is the same tensor on every rank, and its gradient on a rank is that
+    rank's rows' share (sum it over the group, as for any replicated parameter).
     q (batch, local_seqlen, nheads, head_dim), k and v (batch, local_seqlen,
     nheads_kv, head_dim): this rank's shard, the same shape on every rank.
     causal and window_size refer to positions in the global sequence.
@@ -354,17 +388,17 @@ _FUNC_DOC = """
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                         window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                         return_attn_probs=False, group=None):
-    return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                           deterministic, return_attn_probs, group, RING)
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                         return_attn_probs=False, group=None, *, learnable_sink=None):
+    return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, learnable_sink, group, RING)
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                                window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                                return_attn_probs=False, group=None):
-    return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                           deterministic, return_attn_probs, group, ZIGZAG)
+                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                return_attn_probs=False, group=None, *, learnable_sink=None):
+    return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, learnable_sink, group, ZIGZAG)
 
 
 ring_flash_attn_func.__doc__ = """Attention over a sequence split in P contiguous

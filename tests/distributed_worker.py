@@ -31,9 +31,21 @@ class RingCase:
     nheads: int = 4
     nheads_kv: int = 4
     head_dim: int = 16
+    softcap: float = 0.0
+    sink: bool = False  # a learnable_sink, the same on every rank; its gradient summed over them
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def outputs(self) -> Tuple[str, ...]:
+        return OUTPUTS + (("dsink",) if self.sink else ())
+
+    def learnable_sink(self, device="cpu"):
+        """fp32 (nheads,) sink logits around the scores' size, or None."""
+        if not self.sink:
+            return None
+        return torch.linspace(-1.0, 2.0, self.nheads, device=device)
 
     def global_inputs(self, dtype: torch.dtype, device="cpu"):
         """(q, k, v, dout) of the whole sequence, the same on every rank and in the parent."""
@@ -43,7 +55,7 @@ class RingCase:
         return [torch.randn(*s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
 
     def kwargs(self) -> dict:
-        return dict(causal=self.causal, window_size=self.window)
+        return dict(causal=self.causal, window_size=self.window, softcap=self.softcap)
 
 
 CASES = [
@@ -56,6 +68,8 @@ CASES = [
     RingCase("zigzag_window_7_3", "zigzag", window=(7, 3), seqlen=64),
     RingCase("zigzag_causal_window_gqa2", "zigzag", causal=True, window=(9, -1), nheads_kv=2,
              head_dim=32),
+    RingCase("ring_causal_softcap_sink_gqa2", "ring", causal=True, nheads_kv=2, softcap=1.5, sink=True),
+    RingCase("zigzag_window_sink", "zigzag", window=(6, 2), sink=True),
 ]
 
 FUNCS = {"ring": fd.ring_flash_attn_func, "zigzag": fd.zigzag_ring_flash_attn_func}
@@ -71,10 +85,17 @@ def run_case(case: RingCase, dtype: torch.dtype, device) -> dict:
     q, k, v, dout = (shard(t, rank, world_size) for t in case.global_inputs(dtype, device))
     for t in (q, k, v):
         t.requires_grad_(True)
-    out, lse, _ = FUNCS[case.layout](q, k, v, return_attn_probs=True, **case.kwargs())
+    sink = case.learnable_sink(device)
+    if sink is not None:
+        sink.requires_grad_(True)
+    out, lse, _ = FUNCS[case.layout](q, k, v, return_attn_probs=True, learnable_sink=sink, **case.kwargs())
     out.backward(dout)
-    return dict(out=gather(out.detach()), lse=gather(lse, dim=2), dq=gather(q.grad),
-                dk=gather(k.grad), dv=gather(v.grad))
+    results = dict(out=gather(out.detach()), lse=gather(lse, dim=2), dq=gather(q.grad),
+                   dk=gather(k.grad), dv=gather(v.grad))
+    if sink is not None:
+        dist.all_reduce(sink.grad)  # each rank's rows' share
+        results["dsink"] = sink.grad
+    return results
 
 
 def run(rank: int, world_size: int, init_method: str, backend: str, dtypes, result_path: str):

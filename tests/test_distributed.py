@@ -134,32 +134,36 @@ def spawn_ranks(tmp_path, world_size, backend, dtypes):
 
 
 def single_process(case, dtype, device):
-    """flash_attn_func's (out, lse, dq, dk, dv) on the global tensors."""
+    """flash_attn_func's (out, lse, dq, dk, dv[, dsink]) on the global tensors."""
     q, k, v, dout = case.global_inputs(dtype, device)
-    for t in (q, k, v):
+    sink = case.learnable_sink(device)
+    leaves = (q, k, v) + (() if sink is None else (sink,))
+    for t in leaves:
         t.requires_grad_(True)
-    out, lse, _ = flashattn_ext.flash_attn_func(q, k, v, return_attn_probs=True, **case.kwargs())
+    out, lse, _ = flashattn_ext.flash_attn_func(q, k, v, return_attn_probs=True, learnable_sink=sink,
+                                                **case.kwargs())
     out.backward(dout)
-    return [t.detach().cpu() for t in (out, lse, q.grad, k.grad, v.grad)]
+    return [t.detach().cpu() for t in (out, lse)] + [t.grad.cpu() for t in leaves]
 
 
 def check_against_single_process(results, case, dtype, device):
     q, k, v, dout = case.global_inputs(dtype)
-    mask = dict(causal=case.causal, window=case.window)
+    mask = dict(causal=case.causal, window=case.window, softcap=case.softcap,
+                learnable_sink=case.learnable_sink())
     reference = attention_reference_with_grads(q, k, v, dout, **mask)
     # The rule's baseline: the same reference in the inputs' precision (none for fp64,
     # whose rule is absolute).
-    baseline = [None] * len(worker.OUTPUTS)
+    baseline = [None] * len(case.outputs)
     if dtype != torch.float64:
         baseline = attention_reference_with_grads(q, k, v, dout, compute_dtype=dtype, **mask)
-    ring = [results[(case.name, str(dtype))][name] for name in worker.OUTPUTS]
+    ring = [results[(case.name, str(dtype))][name] for name in case.outputs]
     context = f"{case.name} ({case.layout})"
-    assert_error_rule(worker.OUTPUTS, ring, reference, baseline, dtype, context)
+    assert_error_rule(case.outputs, ring, reference, baseline, dtype, context)
     # And next to flash_attn_func on one device, within the same allowance.
     single = single_process(case, dtype, device)
-    gradient_scale = max(r.abs().max().item() for r in reference[2:])
-    for name, a, s, r, b in zip(worker.OUTPUTS, ring, single, reference, baseline):
-        scale = gradient_scale if name.startswith("d") else None
+    gradient_scale = max(r.abs().max().item() for r in reference[2:5])
+    for name, a, s, r, b in zip(case.outputs, ring, single, reference, baseline):
+        scale = gradient_scale if name in ("dq", "dk", "dv") else None
         assert max_abs_error(a, s) <= tolerance(name, dtype, r, b, scale), (context, name)
 
 
@@ -216,6 +220,10 @@ def test_argument_errors():
         fd.zigzag_ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
     with pytest.raises(RuntimeError, match="dropout_p must be in"):
         fd.ring_flash_attn_func(q, q, q, dropout_p=1.5)
+    with pytest.raises(RuntimeError, match="learnable_sink"):
+        fd.ring_flash_attn_func(q, q, q, learnable_sink=torch.zeros(3))
+    with pytest.raises(RuntimeError, match="softcap must be"):
+        fd.zigzag_ring_flash_attn_func(q, q, q, softcap=-1.0)
     with pytest.raises(RuntimeError, match=r"x dim 1 \(seqlen\) into 4 equal parts.*got length 6"):
         fd.ring_shard(q, 0, 4)
     with pytest.raises(RuntimeError, match=r"into 8 equal parts for world size 4: got length 12"):
@@ -231,7 +239,8 @@ def test_one_rank_is_flash_attn_func(func):
     # Without hops, including the head-dim padding and return_attn_probs.
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 10, h, 12, generator=gen) for h in (4, 2, 2))
-    kwargs = dict(causal=True, window_size=(4, -1), softmax_scale=0.3, return_attn_probs=True)
+    kwargs = dict(causal=True, window_size=(4, -1), softmax_scale=0.3, softcap=2.0, return_attn_probs=True,
+                  learnable_sink=torch.tensor([0.5, -1.0, 2.0, 0.0]))
     out, lse, probs = func(q, k, v, **kwargs)
     expected_out, expected_lse, _ = flashattn_ext.flash_attn_func(q, k, v, **kwargs)
     assert probs is None
