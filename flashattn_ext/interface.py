@@ -114,16 +114,21 @@ def _draw_rng_state(device: torch.device) -> torch.Tensor:
     return torch.cat([seed, offset])
 
 
-def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, learnable_sink,
-               layout: checks.SequenceLayout = checks.DENSE):
-    """Every public function: one forward op call (whose autograd formula is registered
-    in ops.py, and whose C++ checks see every argument) on the operands in its layout."""
+def _check_tensor_arguments(q, k, v, alibi_slopes, learnable_sink) -> None:
+    """Tensors where the functions read tensor attributes before the op sees them."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         checks.check_is_tensor(t, name)
     for t, name in ((alibi_slopes, "alibi_slopes"), (learnable_sink, "learnable_sink")):
         if t is not None:
             checks.check_is_tensor(t, name)
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               deterministic, return_attn_probs, learnable_sink,
+               layout: checks.SequenceLayout = checks.DENSE):
+    """Every public function: one forward op call (whose autograd formula is registered
+    in ops.py, and whose C++ checks see every argument) on the operands in its layout."""
+    _check_tensor_arguments(q, k, v, alibi_slopes, learnable_sink)
     window_left, window_right = checks.check_window_size(window_size)
     head_dim = q.size(-1) if q.dim() > 0 else 0
     softmax_scale = _softmax_scale(softmax_scale, head_dim)
@@ -300,8 +305,7 @@ def flash_attn_varlen_func(
     layout = _varlen_layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                             seqused_k)
     if block_table is not None:
-        for t, name in ((q, "q"), (k, "k"), (v, "v")):
-            checks.check_is_tensor(t, name)
+        _check_tensor_arguments(q, k, v, alibi_slopes, learnable_sink)
         lengths = paged_kv.checked_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.max_seqlen_k, seqused_k,
                                            block_table)
         if paged_kv.decodes_in_place(q, k, v, cu_seqlens_q, layout.max_seqlen_q, seqused_q, float(dropout_p),
