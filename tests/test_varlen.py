@@ -587,15 +587,22 @@ def decode_inputs(device, dtype, grad=False):
 
 DECODE_VARIANTS = [dict(causal=True), dict(window_size=(20, 0), softcap=5.0),
                    dict(learnable_sink=torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 1.5]))]
+DECODE_IDS = ("causal", "window_softcap", "sink")
 
 
-def check_decode_in_place(device, dtype, kwargs, monkeypatch, tolerance):
-    """A decoding step reads the pages through flash_attn_with_kvcache's op, once, and gives
-    the packed call's out and lse."""
+@pytest.fixture
+def kvcache_op_calls(monkeypatch):
+    """A list that grows by one at each call of flash_attn_with_kvcache's op."""
     calls = []
     kvcache_op = flashattn_ext.ops.attention_kvcache_forward
     monkeypatch.setattr(flashattn_ext.ops, "attention_kvcache_forward",
                         lambda *args: calls.append(1) or kvcache_op(*args))
+    return calls
+
+
+def check_decode_in_place(device, dtype, kwargs, calls, tolerance):
+    """A decoding step reads the pages through flash_attn_with_kvcache's op, once, and gives
+    the packed call's out and lse."""
     q, k, v, paged, cu_q, cu_k, max_k = decode_inputs(device, dtype)
     kwargs = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
     expected = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max_k, return_attn_probs=True, **kwargs)
@@ -608,16 +615,16 @@ def check_decode_in_place(device, dtype, kwargs, monkeypatch, tolerance):
     torch.testing.assert_close(lse, expected[1], **tolerance)
 
 
-@pytest.mark.parametrize("kwargs", DECODE_VARIANTS, ids=("causal", "window_softcap", "sink"))
-def test_paged_decode_reads_pages_in_place(kwargs, monkeypatch):
-    check_decode_in_place("cpu", torch.float32, kwargs, monkeypatch, dict(rtol=1e-5, atol=1e-6))
+@pytest.mark.parametrize("kwargs", DECODE_VARIANTS, ids=DECODE_IDS)
+def test_paged_decode_reads_pages_in_place(kwargs, kvcache_op_calls):
+    check_decode_in_place("cpu", torch.float32, kwargs, kvcache_op_calls, dict(rtol=1e-5, atol=1e-6))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kwargs", DECODE_VARIANTS, ids=("causal", "window_softcap", "sink"))
-def test_paged_decode_reads_pages_in_place_cuda(kwargs, monkeypatch):
-    check_decode_in_place("cuda", torch.bfloat16, kwargs, monkeypatch, dict(rtol=2e-2, atol=2e-2))
+@pytest.mark.parametrize("kwargs", DECODE_VARIANTS, ids=DECODE_IDS)
+def test_paged_decode_reads_pages_in_place_cuda(kwargs, kvcache_op_calls):
+    check_decode_in_place("cuda", torch.bfloat16, kwargs, kvcache_op_calls, dict(rtol=2e-2, atol=2e-2))
 
 
 def test_paged_decode_with_a_strided_q():
@@ -629,12 +636,8 @@ def test_paged_decode_with_a_strided_q():
     torch.testing.assert_close(out, flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max_k), rtol=1e-5, atol=1e-6)
 
 
-def test_paged_decode_with_a_gradient_or_dropout_gathers(monkeypatch):
+def test_paged_decode_with_a_gradient_or_dropout_gathers(kvcache_op_calls):
     """What flash_attn_with_kvcache's op cannot do (a gradient, dropout) gathers the pages."""
-    calls = []
-    kvcache_op = flashattn_ext.ops.attention_kvcache_forward
-    monkeypatch.setattr(flashattn_ext.ops, "attention_kvcache_forward",
-                        lambda *args: calls.append(1) or kvcache_op(*args))
     q, k, v, paged, cu_q, cu_k, max_k = decode_inputs("cpu", torch.float32, grad=True)
     out = flash_attn_varlen_func(q, paged.k_cache, paged.v_cache, cu_q, cu_k, 1, max_k, block_table=paged.block_table)
     torch.testing.assert_close(out, flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max_k), rtol=0, atol=0)
@@ -642,7 +645,7 @@ def test_paged_decode_with_a_gradient_or_dropout_gathers(monkeypatch):
     with torch.no_grad():
         flash_attn_varlen_func(q, paged.k_cache, paged.v_cache, cu_q, cu_k, 1, max_k, dropout_p=0.1,
                                block_table=paged.block_table)
-    assert not calls
+    assert not kvcache_op_calls
 
 
 def test_paged_decode_checks_cu_seqlens_q():
