@@ -307,6 +307,11 @@ const int* data_or_null(const std::optional<at::Tensor>& t) {
 }
 }  // namespace
 
+void set_alibi_slopes(AttentionFwdParams& p, const std::optional<at::Tensor>& alibi_slopes) {
+  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.alibi_batch_stride = alibi_slopes.has_value() && alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
+}
+
 AttentionFwdParams make_forward_params(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out,
                                        const at::Tensor& lse, const AttentionOptions& opts) {
@@ -344,10 +349,7 @@ AttentionFwdParams make_forward_params(const at::Tensor& q, const at::Tensor& k,
   p.softmax_scale_log2 = static_cast<float>(opts.softmax_scale * M_LOG2E);
   std::tie(p.window_left, p.window_right) = effective_window(opts, p.seqlen_q, p.seqlen_k);
   p.softcap = static_cast<float>(opts.softcap);
-  if (opts.alibi_slopes.has_value()) {
-    p.alibi_slopes = opts.alibi_slopes->data_ptr<float>();
-    p.alibi_batch_stride = opts.alibi_slopes->dim() == 2 ? opts.alibi_slopes->stride(0) : 0;
-  }
+  set_alibi_slopes(p, opts.alibi_slopes);
   if (opts.learnable_sink.has_value()) p.learnable_sink = opts.learnable_sink->data_ptr<float>();
   if (opts.dropout_p > 0.0) {
     p.rng_state = opts.rng_state->data_ptr<int64_t>();

@@ -131,6 +131,10 @@ AttentionFwdParams make_forward_params(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out,
                                        const at::Tensor& lse, const AttentionOptions& opts);
 
+// ALiBi's slopes (checked) as the params carry them: per (batch, head), batch stride 0 when
+// the batch shares them; absent, a null pointer.
+void set_alibi_slopes(AttentionFwdParams& p, const std::optional<at::Tensor>& alibi_slopes);
+
 // Pointers and strides of dout/dq/dk/dv; the workspace pointers are left null
 // for the backend's launch layer to fill.
 AttentionBwdParams make_backward_params(const at::Tensor& dout, const at::Tensor& q,

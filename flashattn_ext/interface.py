@@ -53,8 +53,8 @@ Differences from flash-attn, all deliberate:
   keys and values (flashattn_ext/paged_kv.py).
 * Devices: CPU (fp32, fp64, bf16, fp16; every feature) and CUDA (fp16, bf16) where
   the build has the CUDA kernels.
-  flash_attn_with_kvcache runs on the CPU and on CUDA (alibi_slopes on the CPU only); it takes no head dim that is
-  not a multiple of 8 (padding would copy the cache it must write in place).
+  flash_attn_with_kvcache runs on the CPU and on CUDA; it takes no head dim that is not a
+  multiple of 8 (padding would copy the cache it must write in place).
 """
 
 from __future__ import annotations
@@ -309,10 +309,11 @@ def flash_attn_varlen_func(
         lengths = paged_kv.checked_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.max_seqlen_k, seqused_k,
                                            block_table)
         if paged_kv.decodes_in_place(q, k, v, cu_seqlens_q, layout.max_seqlen_q, seqused_q, float(dropout_p),
-                                     alibi_slopes, learnable_sink):
+                                     learnable_sink):
             window_left, window_right = checks.check_window_size(window_size)
             out, lse = paged_kv.decode(q, k, v, lengths, block_table, _softmax_scale(softmax_scale, q.size(-1)),
-                                       bool(causal), window_left, window_right, float(softcap), learnable_sink)
+                                       bool(causal), window_left, window_right, float(softcap), alibi_slopes,
+                                       learnable_sink)
             return (out, lse, None) if return_attn_probs else out
         k, v = paged_kv.gather_pages(k, v, lengths, layout.max_seqlen_k, block_table)
         layout = checks.SequenceLayout(cu_seqlens_q, None, seqused_q, lengths, layout.max_seqlen_q, -1)
@@ -431,7 +432,7 @@ def flash_attn_with_kvcache(
             (i, i + rotary_dim / 2) (GPT-NeoX).
         alibi_slopes: fp32 (nheads,) or (batch, nheads): -slope·|i + seqlen_k - seqlen_q - j|
             joins each score, i and j counted within the sequence's keys (from
-            cache_leftpad[b]); CPU only so far (NotImplementedError on CUDA).
+            cache_leftpad[b]); on CUDA a tile per query head (its slope): no packed GQA.
         num_splits: split the keys into this many parts whose partial results are merged
             by log-sum-exp (1: no split; 0: the backend chooses). Changes the result by
             rounding only. Not applied to long chunks (at least 128 query rows, with

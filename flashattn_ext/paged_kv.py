@@ -138,20 +138,20 @@ def _rows_16_byte_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
-def decodes_in_place(q, k, v, cu_seqlens_q, max_seqlen_q: int, seqused_q, dropout_p: float, alibi_slopes,
+def decodes_in_place(q, k, v, cu_seqlens_q, max_seqlen_q: int, seqused_q, dropout_p: float,
                      learnable_sink) -> bool:
     """Whether the call is a decoding step flash_attn_with_kvcache's op computes the same, on
     the pages in place: one query row per sequence (max_seqlen_q = 1 and as many rows as
     sequences: no synchronisation to know it), no gradient, no dropout (that op has neither),
-    no ALiBi (not in its CUDA kernel yet), and caches it reads as they are (a head dim
-    multiple of 8, pages of a multiple of 16 rows, rows at 16-byte multiples). Where values
+    and caches it reads as they are (a head dim multiple of 8, pages of a multiple of 16
+    rows, rows at 16-byte multiples). Where values
     are checked, cu_seqlens_q must also be 0, 1, ..., batch: a call that only claims one
     row per sequence goes the other way, whose op names what is wrong."""
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
     batch = cu_seqlens_q.size(0) - 1
     if not (max_seqlen_q == 1 and q.dim() == 3 and q.size(0) == batch and seqused_q is None and dropout_p == 0.0
-            and alibi_slopes is None and not needs_grad and q.size(-1) % 8 == 0 and k.size(1) % 16 == 0
+            and not needs_grad and q.size(-1) % 8 == 0 and k.size(1) % 16 == 0
             and k.stride(-1) == 1 and v.stride(-1) == 1 and _rows_16_byte_aligned(k) and _rows_16_byte_aligned(v)):
         return False
     if _host_value_checks_enabled(q.device):
@@ -161,11 +161,12 @@ def decodes_in_place(q, k, v, cu_seqlens_q, max_seqlen_q: int, seqused_q, dropou
 
 
 def decode(q, k, v, lengths, block_table, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-           softcap: float, learnable_sink) -> Tuple[torch.Tensor, torch.Tensor]:
+           softcap: float, alibi_slopes, learnable_sink) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out (batch, nheads, head_dim), lse (nheads, batch)) of a decodes_in_place call."""
     out, lse = ops.attention_kvcache_forward(
         ops.unit_stride_last_dim(q).unsqueeze(1), k, v, None, None, None, None, lengths.contiguous(), None, None,
-        block_table, softmax_scale, causal, window_left, window_right, softcap, True, None, 0, learnable_sink)
+        block_table, softmax_scale, causal, window_left, window_right, softcap, True, alibi_slopes, 0,
+        learnable_sink)
     return out.squeeze(1), lse.squeeze(2).t().contiguous()
 
 

@@ -352,14 +352,9 @@ def poison_outputs():
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_kvcache_cuda(case, dtype, num_splits):
-    """The CPU cases on the GPU. Features the CUDA kernel lacks are refused by name
-    (NotImplementedError), which is the contract too."""
+    """The CPU cases on the GPU: the CUDA kernels take every argument."""
     poison_outputs()
-    try:
-        check_call(case, dtype, "cuda", num_splits)
-    except NotImplementedError as error:
-        assert "not implemented in flash_attn_with_kvcache on CUDA" in str(error)
-        pytest.skip(str(error))
+    check_call(case, dtype, "cuda", num_splits)
 
 
 # Caches of many key blocks (the CUDA kernel's blocks are 64 or 32 keys), so that every
@@ -398,6 +393,17 @@ LONG_CUDA_CASES = [
                 nheads_kv=36, head_dim=128, capacity=512, seqlens="zero"),
     KvcacheCase("long_chunk_split_d128", batch=1, seqlen_q=128, seqlen_new=128, nheads=8, nheads_kv=2,
                 head_dim=128, capacity=1000),
+    # ALiBi: one query head per tile (its slope), K/V of the head's group; per-batch slopes
+    # of batch entries (not of cache rows); the dense chunk with the slopes.
+    KvcacheCase("long_alibi_decode_gqa4_d128", batch=3, nheads=16, nheads_kv=4, head_dim=128, capacity=4096,
+                rotary_dim=64, alibi="nheads"),
+    KvcacheCase("long_alibi_softcap_paged16_leftpad_d256", batch=2, seqlen_q=3, seqlen_new=3, nheads=4,
+                nheads_kv=2, head_dim=256, capacity=1024, page_size=16, leftpad=True, softcap=10.0,
+                alibi="batch_nheads"),
+    KvcacheCase("long_alibi_batch_idx_window_d64", batch=2, seqlen_q=5, seqlen_new=2, causal=False, window=(400, 3),
+                nheads=6, nheads_kv=2, head_dim=64, capacity=1500, batch_idx=True, alibi="batch_nheads"),
+    KvcacheCase("long_chunk_dense_alibi_gqa4_d128", batch=3, seqlen_q=160, seqlen_new=160, nheads=16, nheads_kv=4,
+                head_dim=128, capacity=2000, alibi="batch_nheads", sink=True),
 ]
 
 
@@ -414,6 +420,7 @@ def test_kvcache_cuda_long(case, num_splits, kernel_family):
 @needs_cuda_kernel
 @pytest.mark.parametrize("case_name,dense", [("long_chunk_dense_gqa4_d128", True),
                                              ("long_chunk_dense_whole_rows_d128", True),
+                                             ("long_chunk_dense_alibi_gqa4_d128", True),
                                              ("long_chunk_split_d128", False),
                                              ("long_decode_gqa4_d128", False)])
 def test_long_chunks_run_the_dense_kernel(case_name, dense):

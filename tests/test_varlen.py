@@ -586,8 +586,9 @@ def decode_inputs(device, dtype, grad=False):
 
 
 DECODE_VARIANTS = [dict(causal=True), dict(window_size=(20, 0), softcap=5.0),
-                   dict(learnable_sink=torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 1.5]))]
-DECODE_IDS = ("causal", "window_softcap", "sink")
+                   dict(learnable_sink=torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 1.5])),
+                   dict(causal=True, alibi_slopes=torch.linspace(0.05, 0.6, 8))]
+DECODE_IDS = ("causal", "window_softcap", "sink", "alibi")
 
 
 @pytest.fixture

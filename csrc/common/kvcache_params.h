@@ -24,20 +24,24 @@ struct KvcacheFwdParams : AttentionFwdParams {
   const int* cache_leftpad;
   int seqlen_new;
 
-  // Packed GQA: the `group` query heads of one KV head are rows of one tile, row r of KV
-  // head h being query position r / group of head h * group + r % group. q_strides step
-  // batch entries, packed rows and KV heads: those of a packed copy (batch, nheads_kv,
-  // seqlen_q * group, head_dim) written by the prepare kernel, or of q itself where its
-  // packed rows lie at one stride.
+  // Packed GQA: the `group` query heads of one tile head are rows of one tile, row r of
+  // tile head h being query position r / group of head h * group + r % group. A tile head
+  // is a KV head (group = nheads_q / nheads_kv), or, where the scores of a tile must share
+  // one query head (ALiBi's slope), a query head (group = 1), whose K/V head is
+  // h / tile_heads_per_kv_head. q_strides step batch entries, packed rows and tile heads:
+  // those of a packed copy (batch, tile_heads, seqlen_q * group, head_dim) written by the
+  // prepare kernel, or of q itself where its packed rows lie at one stride.
   int group;
-  int packed_rows;  // seqlen_q * group
+  int tile_heads;              // nheads_q / group
+  int tile_heads_per_kv_head;  // tile_heads / nheads_kv
+  int packed_rows;             // seqlen_q * group
 
   // Split-KV: split s of a tile takes the s-th of num_splits equal runs of the key
   // blocks the tile sees; it writes O normalised by its own row sums and its lse
   // (-inf where it saw no key), which the combine kernel merges by log-sum-exp.
   int num_splits;
-  float* out_partial;  // (num_splits, batch, nheads_kv, packed_rows, head_dim)
-  float* lse_partial;  // (num_splits, batch, nheads_kv, packed_rows)
+  float* out_partial;  // (num_splits, batch, tile_heads, packed_rows, head_dim)
+  float* lse_partial;  // (num_splits, batch, tile_heads, packed_rows)
 };
 
 // The new rows of a call and the rotary embedding, for the prepare kernel.

@@ -23,7 +23,7 @@ const BackendFeatures& cuda_features() {
 }
 
 const BackendFeatures& cuda_kvcache_features() {
-  static const BackendFeatures features{"CUDA", /*softcap=*/true, /*alibi=*/false,
+  static const BackendFeatures features{"CUDA", /*softcap=*/true, /*alibi=*/true,
                                         /*dropout=*/false, /*learnable_sink=*/true,
                                         &cuda_dtype_supported};
   return features;

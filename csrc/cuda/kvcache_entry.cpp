@@ -38,8 +38,10 @@ struct KvcacheAttentionLauncher {
 
   template <int W>
   cudaError_t launch() const {
-    // No ALiBi here (refused), and the sink joins in the combine kernel, once per row.
-    return params.softcap > 0.f ? launch_variant<W, ScoreMod::kSoftcap>() : launch_variant<W, ScoreMod::kNone>();
+    // The sink joins in the combine kernel, once per row, and there is no dropout: the
+    // logit's modifiers only (the dispatch's other cases never run).
+    return dispatch_score_mod(backward_score_mod(params),
+                              [&](auto mod) { return launch_variant<W, logit_mod(mod())>(); });
   }
   template <int W, ScoreMod kMod>
   cudaError_t launch_variant() const {
@@ -78,7 +80,7 @@ void run_dense_chunk(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const at::Tensor& lse, const KvcacheOptions& opts, int64_t seqlen_new, const DeviceLimits& limits,
                      cudaStream_t stream) {
   const AttentionOptions dense{opts.softmax_scale, opts.causal, opts.window_left, opts.window_right, opts.softcap,
-                               std::nullopt,       0.0,         std::nullopt,
+                               opts.alibi_slopes,  0.0,         std::nullopt,
                                SequenceLayout{std::nullopt, std::nullopt, std::nullopt, opts.cache_seqlens},
                                opts.learnable_sink};
   AttentionFwdParams params = make_forward_params(q, k_cache, v_cache, out, lse, dense);
@@ -103,15 +105,17 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
 
   const bool dense_chunk = chunk_runs_dense(opts, sizes, limits);
-  const int group = static_cast<int>(sizes.nheads_q / sizes.nheads_kv);
+  // ALiBi's slope is a query head's and the kernel's score transform takes one per tile, so
+  // an ALiBi call packs no GQA: a tile head is a query head.
+  const int group = opts.alibi_slopes.has_value() ? 1 : static_cast<int>(sizes.nheads_q / sizes.nheads_kv);
+  const int64_t tile_heads = sizes.nheads_q / group;
   const int64_t packed_rows = sizes.seqlen_q * group;
   // The attention kernel reads q in place where its packed rows lie at one stride (one
-  // query row: packed row r of KV head h is query head h * group + r; or one query head per
-  // KV head); otherwise, and to rotate it, the prepare kernel writes a packed copy.
+  // query row: packed row r of tile head h is query head h * group + r; or one query head
+  // per tile head); otherwise, and to rotate it, the prepare kernel writes a packed copy.
   const bool copy_q = !dense_chunk && (opts.rotary_cos.has_value() || (group > 1 && sizes.seqlen_q > 1));
   const at::Tensor q_read =
-      copy_q ? at::empty({sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim}, q.options())
-             : with_16_byte_rows(q);
+      copy_q ? at::empty({sizes.batch, tile_heads, packed_rows, sizes.head_dim}, q.options()) : with_16_byte_rows(q);
   KvcacheFwdParams p{};
   p.q = q_read.data_ptr();
   if (copy_q)
@@ -141,6 +145,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   p.softmax_scale_log2 = static_cast<float>(opts.softmax_scale * M_LOG2E);
   p.softcap = static_cast<float>(opts.softcap);
   if (opts.learnable_sink.has_value()) p.learnable_sink = opts.learnable_sink->data_ptr<float>();
+  set_alibi_slopes(p, opts.alibi_slopes);
   const AttentionOptions window_opts{opts.softmax_scale, opts.causal, opts.window_left, opts.window_right,
                                      opts.softcap,       std::nullopt, 0.0, std::nullopt, SequenceLayout{},
                                      std::nullopt};
@@ -156,6 +161,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   p.cache_batch_idx = int_data(opts.cache_batch_idx);
   p.cache_leftpad = int_data(opts.cache_leftpad);
   p.group = group;
+  p.tile_heads = static_cast<int>(tile_heads);
+  p.tile_heads_per_kv_head = static_cast<int>(tile_heads / sizes.nheads_kv);
   p.packed_rows = static_cast<int>(packed_rows);
   KvcacheTileInfo tile{};
   cudaError_t status = cudaSuccess;
@@ -163,12 +170,12 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
     fail_head_dim_not_compiled(p.head_dim);
   // A dense chunk runs no split kernel: no partials.
   p.num_splits = dense_chunk ? 0
-                             : kvcache_num_splits(static_cast<int>(opts.num_splits), p.batch, p.nheads_kv,
+                             : kvcache_num_splits(static_cast<int>(opts.num_splits), p.batch, p.tile_heads,
                                                   p.packed_rows, p.seqlen_k, opts.paged(), tile, limits.num_sms);
-  const at::Tensor out_partial = at::empty({p.num_splits, sizes.batch, sizes.nheads_kv, packed_rows, sizes.head_dim},
+  const at::Tensor out_partial = at::empty({p.num_splits, sizes.batch, tile_heads, packed_rows, sizes.head_dim},
                                            q.options().dtype(at::kFloat));
   const at::Tensor lse_partial =
-      at::empty({p.num_splits, sizes.batch, sizes.nheads_kv, packed_rows}, q.options().dtype(at::kFloat));
+      at::empty({p.num_splits, sizes.batch, tile_heads, packed_rows}, q.options().dtype(at::kFloat));
   p.out_partial = out_partial.data_ptr<float>();
   p.lse_partial = lse_partial.data_ptr<float>();
 

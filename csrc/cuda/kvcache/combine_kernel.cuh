@@ -47,11 +47,11 @@ __global__ void __launch_bounds__(32 * kCombineWarps) kvcache_combine_kernel(con
   __shared__ float row_lse;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
-  const int64_t rows = int64_t(p.batch) * p.nheads_kv * p.packed_rows;
+  const int64_t rows = int64_t(p.batch) * p.tile_heads * p.packed_rows;
   const int r = static_cast<int>(row % p.packed_rows);
-  const int kv_head = static_cast<int>(row / p.packed_rows % p.nheads_kv);
-  const int b = static_cast<int>(row / p.packed_rows / p.nheads_kv);
-  const int position = r / p.group, head = kv_head * p.group + r % p.group;
+  const int tile_head = static_cast<int>(row / p.packed_rows % p.tile_heads);
+  const int b = static_cast<int>(row / p.packed_rows / p.tile_heads);
+  const int position = r / p.group, head = tile_head * p.group + r % p.group;
   const int64_t split_stride = rows;  // partial rows between one split and the next
   // A column past head_dim (a multiple of 8) is never read.
   const auto load_partial = [&](int s, float2 (&o)[kPairs]) {

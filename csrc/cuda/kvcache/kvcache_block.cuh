@@ -1,6 +1,8 @@
 // Which tile a thread block of the KV-cache attention kernel owns (a static grid,
-// flattened into blockIdx.x): kBlockM packed-GQA rows of one (batch entry, KV head), and
-// one split of the key blocks those rows see.
+// flattened into blockIdx.x): kBlockM packed-GQA rows of one (batch entry, tile head), and
+// one split of the key blocks those rows see. It holds the tile's K/V head; the tile head
+// (the same unless a tile is one query head: kvcache_params.h) is decoded again where it
+// is needed (held through the key loop, it spilled the W = 256 kernel).
 #pragma once
 
 #include "common/attention_mask.h"
@@ -16,9 +18,9 @@ struct KvcacheBlock {
   CacheSequence seq;
   PackedRowsMask mask;
 
-  // Row blocks x splits x KV heads x batch, row blocks fastest.
+  // Row blocks x splits x tile heads x batch, row blocks fastest.
   static int64_t grid_blocks(const KvcacheFwdParams& p, int kBlockM) {
-    return int64_t((p.packed_rows + kBlockM - 1) / kBlockM) * p.num_splits * p.nheads_kv * p.batch;
+    return int64_t((p.packed_rows + kBlockM - 1) / kBlockM) * p.num_splits * p.tile_heads * p.batch;
   }
 
   __device__ __forceinline__ KvcacheBlock(const KvcacheFwdParams& p, int kBlockM, int kBlockN)
@@ -30,8 +32,9 @@ struct KvcacheBlock {
     rest /= num_m_blocks;
     split = rest % p.num_splits;
     rest /= p.num_splits;
-    kv_head = rest % p.nheads_kv;
-    batch = rest / p.nheads_kv;
+    // (A packed call skips the division: its temporaries spilled the W = 256 kernel.)
+    kv_head = p.tile_heads_per_kv_head == 1 ? rest % p.tile_heads : rest % p.tile_heads / p.tile_heads_per_kv_head;
+    batch = rest / p.tile_heads;
     valid_rows = p.packed_rows - m_begin;
     const int row_end = min(m_begin + kBlockM, p.packed_rows);
     const int first = mask.key_begin(m_begin) / kBlockN;
@@ -44,11 +47,15 @@ struct KvcacheBlock {
   }
   __device__ __forceinline__ static int decode_batch(const KvcacheFwdParams& p, int kBlockM) {
     const int num_m_blocks = (p.packed_rows + kBlockM - 1) / kBlockM;
-    return static_cast<int>(blockIdx.x / num_m_blocks) / p.num_splits / p.nheads_kv;
+    return static_cast<int>(blockIdx.x / num_m_blocks) / p.num_splits / p.tile_heads;
+  }
+  __device__ __forceinline__ static int tile_head(const KvcacheFwdParams& p, int kBlockM) {
+    const int num_m_blocks = (p.packed_rows + kBlockM - 1) / kBlockM;
+    return static_cast<int>(blockIdx.x / num_m_blocks) / p.num_splits % p.tile_heads;
   }
   // Offset of this tile's first row in the partial outputs (rows of head_dim floats).
-  __device__ __forceinline__ int64_t partial_row(const KvcacheFwdParams& p) const {
-    return ((int64_t(split) * p.batch + batch) * p.nheads_kv + kv_head) * p.packed_rows + m_begin;
+  __device__ __forceinline__ int64_t partial_row(const KvcacheFwdParams& p, int kBlockM) const {
+    return ((int64_t(split) * p.batch + batch) * p.tile_heads + tile_head(p, kBlockM)) * p.packed_rows + m_begin;
   }
 };
 

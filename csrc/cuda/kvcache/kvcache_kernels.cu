@@ -20,11 +20,11 @@ int64_t blocks_for_rows(int64_t rows) { return (rows + kRowsPerBlock - 1) / kRow
 
 }  // namespace
 
-int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows, bool paged,
+int kvcache_num_splits(int requested, int batch, int tile_heads, int packed_rows, int cache_rows, bool paged,
                        const KvcacheTileInfo& tile, int num_sms) {
   const int key_blocks = std::max(1, (cache_rows + tile.block_n - 1) / tile.block_n);
   if (requested > 0) return std::min({requested, key_blocks, kMaxSplits});
-  const int64_t tiles = int64_t(batch) * nheads_kv * ((packed_rows + tile.block_m - 1) / tile.block_m);
+  const int64_t tiles = int64_t(batch) * tile_heads * ((packed_rows + tile.block_m - 1) / tile.block_m);
   const int64_t slots = int64_t(num_sms) * tile.blocks_per_sm;
   const int max_splits = std::min(kMaxSplits, key_blocks / 4);
   if (tiles == 0 || tiles * 5 >= slots * 4 || max_splits <= 1) return 1;
@@ -63,7 +63,7 @@ cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePr
 }
 
 cudaError_t launch_kvcache_combine(const KvcacheFwdParams& params, cudaStream_t stream) {
-  const int64_t rows = int64_t(params.batch) * params.nheads_kv * params.packed_rows;
+  const int64_t rows = int64_t(params.batch) * params.tile_heads * params.packed_rows;
   if (rows == 0) return cudaSuccess;
   if (params.num_splits > kMaxSplits || params.head_dim > kCombineMaxHeadDim || rows > INT_MAX)
     return cudaErrorInvalidValue;

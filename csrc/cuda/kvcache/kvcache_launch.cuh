@@ -49,13 +49,14 @@ struct KvcacheTilePlan<256> {  // the score loop half unrolled
   using Fallback = ForwardTileShape<256, 32, 16, 2>;
 };
 
-// softcap at W = 256: 16-key blocks (32 spilled: the tanh's operands on top of the plain
-// kernel's 255 registers), 64 rows for decoding too (its 32-row decode tile is not
-// measured with softcap). The split count is still chosen from the plain plan's tile.
-template <int W, ScoreMod kMod>
+// A score modifier (softcap, ALiBi) at W = 256: 16-key blocks (32 spilled with softcap: the
+// tanh's operands on top of the plain kernel's 255 registers), 64 rows for decoding too (its
+// 32-row decode tile is not measured with a modifier). The split count is still chosen from
+// the plain plan's tile.
+template <int W, bool kModified>
 struct KvcacheVariantPlan : KvcacheTilePlan<W> {};
 template <>
-struct KvcacheVariantPlan<256, ScoreMod::kSoftcap> {
+struct KvcacheVariantPlan<256, true> {
   using Primary = ForwardTileShape<256, 64, 16, 4>;
   using Decode = Primary;
   using ShortQuery = Primary;
@@ -91,7 +92,7 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows) {
 template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream) {
-  return with_kvcache_tile<KvcacheVariantPlan<W, kMod>>(limits, params.packed_rows, [&](auto shape) {
+  return with_kvcache_tile<KvcacheVariantPlan<W, kMod != ScoreMod::kNone>>(limits, params.packed_rows, [&](auto shape) {
     using Shape = decltype(shape);
     if (Shape::kSmemBytes > limits.max_smem_per_block) return cudaErrorInvalidConfiguration;
     return launch_on_flat_grid(kvcache_forward_kernel<Element, Shape, kMod>,
@@ -108,6 +109,8 @@ cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const Devic
 #define FLASHATTN_INSTANTIATE_KVCACHE(W)                              \
   template KvcacheTileInfo kvcache_tile_info<W>(const DeviceLimits&, int); \
   FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kNone)                     \
-  FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kSoftcap)
+  FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kSoftcap)                  \
+  FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kBias)                     \
+  FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kSoftcapBias)
 
 }  // namespace flashattn

@@ -34,7 +34,7 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
 // than two; d 256 blocks with 17 KB each needed four). A block of a paged cache counts
 // a fifth less in flight: alone on its SM it read 15-18 % slower than on a contiguous cache
 // (its page lookups, 31 % more instructions), two per SM as fast (2026-12-04).
-int kvcache_num_splits(int requested, int batch, int nheads_kv, int packed_rows, int cache_rows, bool paged,
+int kvcache_num_splits(int requested, int batch, int tile_heads, int packed_rows, int cache_rows, bool paged,
                        const KvcacheTileInfo& tile, int num_sms);
 
 // Rotary embedding and the packed-GQA copy of q; the new rows into the cache.
@@ -42,7 +42,7 @@ cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePr
                                    cudaStream_t stream);
 
 // The attention of the packed queries against the cache, into the partial outputs; kMod:
-// kNone or kSoftcap (the KV cache takes no ALiBi, and its sink joins in the combine).
+// kNone, kSoftcap, kBias or kSoftcapBias (ALiBi; the sink joins in the combine).
 template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream);

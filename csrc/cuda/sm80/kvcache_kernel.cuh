@@ -1,6 +1,7 @@
 // KV-cache attention kernel for sm_80+ (mma.sync tensor cores): one thread block owns
-// kBlockM packed-GQA rows of one (batch entry, KV head) (kvcache/kvcache_block.cuh), so K
-// and V are read once for every query head that shares them, runs the forward main loop
+// kBlockM packed-GQA rows of one (batch entry, tile head) (kvcache/kvcache_block.cuh), so K
+// and V are read once for every query head that shares them (but in ALiBi calls, whose
+// tiles are one query head each: common/kvcache_params.h), runs the forward main loop
 // (forward_mainloop.cuh) over its split of the cache's key blocks, contiguous or paged,
 // and writes fp32 partial O and lse for the combine kernel to merge and unpack. A decoding
 // tile's warps split each key block (key_split_merge.cuh).
@@ -27,7 +28,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
   const CacheSequence& seq = blk.seq;
   const Element* q_ptr = static_cast<const Element*>(params.q) + blk.batch * params.q_strides.batch +
-                         blk.kv_head * params.q_strides.head + int64_t(blk.m_begin) * params.q_strides.row;
+                         KvcacheBlock::tile_head(params, Shape::kBlockM) * params.q_strides.head +
+                         int64_t(blk.m_begin) * params.q_strides.row;
   const Element* k_cache = static_cast<const Element*>(params.k);
   const Element* v_cache = static_cast<const Element*>(params.v);
 
@@ -76,14 +78,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   ForwardRowState<Shape> state;
   forward_mainloop<Element, Shape>(
       q_smem, load_q, load_kv_block, blk.mask,
-      [&] { return ScoreTransform<kMod>(params, blk.batch, blk.kv_head); }, [](auto&, int, int) {}, blk.m_begin,
+      // ALiBi's slope is the tile head's, a query head's (kvcache_params.h).
+      [&] { return ScoreTransform<kMod>(params, blk.batch, KvcacheBlock::tile_head(params, Shape::kBlockM)); },
+      [](auto&, int, int) {}, blk.m_begin,
       blk.n_block_first, blk.n_block_last, state);
   allow_dependent_launch();  // the combine's blocks may take the SM slots of the finished ones
 
   static_assert(KeySplitMergeLayout<Shape>::kBytes <= Shape::kStages * 2 * KVTile::kBytes,
                 "the merge reuses the K/V stages");
   if (!merge_key_split_warps(state, reinterpret_cast<float*>(smem + QTile::kBytes))) return;
-  const int64_t partial_row = blk.partial_row(params);
+  const int64_t partial_row = blk.partial_row(params, Shape::kBlockM);
   store_forward_rows<float>(state.acc_o, state.row_max, state.row_sum,
                             params.out_partial + partial_row * params.head_dim, params.head_dim,
                             params.lse_partial + partial_row, Shape::warp_row(warp), blk.valid_rows,
