@@ -5,6 +5,9 @@ causal, windows, softcap, ALiBi, sinks, seqused, max_seqlen slack, dense sides a
 for the variable-length function; for flash_attn_with_kvcache the same modifiers with
 rotary, leftpad, cache_batch_idx, pages, appends and num_splits.
 
+Also dense batches for flash_attn_func: the same modifiers, the three tensor layouts of
+sample_inputs.AttentionCase, and deterministic or not.
+
 Case i comes from random.Random of its own seed string, so it is the same case on every
 machine and run, whatever the others are, and its name spells its features out: a failure
 names what to rerun and what was combined.
@@ -16,7 +19,7 @@ import random
 from typing import List, Optional, Tuple
 
 from kvcache_inputs import KvcacheCase
-from sample_inputs import CPU_BLOCK, VarlenCase
+from sample_inputs import CPU_BLOCK, AttentionCase, VarlenCase
 
 # Key and query block sizes of the kernels (CPU 128; mma.sync 64-128; Hopper 64-192), +-1.
 BOUNDARY_LENGTHS = tuple(n + e for n in (16, 64, CPU_BLOCK, 176, 192, 2 * CPU_BLOCK) for e in (-1, 0, 1))
@@ -47,6 +50,43 @@ def _flag_names(**flags) -> str:
                    if value not in (None, False, 0, 0.0, (-1, -1)))
 
 
+def _modifiers(rng: random.Random, max_len: int) -> dict:
+    """causal, window, softcap, alibi, softmax_scale and sink, each with its own odds."""
+    return dict(causal=rng.random() < 0.5, window=_window(rng, 2 * max_len // 3),
+                softcap=rng.choice((0.5, 2.0, 7.5, 30.0)) if rng.random() < 0.25 else 0.0,
+                alibi=rng.choice(("nheads", "batch_nheads")) if rng.random() < 0.25 else None,
+                softmax_scale=round(rng.uniform(0.05, 0.5), 3) if rng.random() < 0.2 else None,
+                sink=rng.random() < 0.25)
+
+
+def _heads(rng: random.Random) -> Tuple[int, int]:
+    nheads_kv = rng.choice((1, 2, 3))
+    return nheads_kv * rng.choice((1, 2, 4)), nheads_kv
+
+
+def random_attention_case(index: int, max_len: int) -> Tuple[AttentionCase, bool]:
+    """(case, deterministic) number `index` for flash_attn_func: a dense batch with every
+    modifier, one of the three tensor layouts, and deterministic or not."""
+    rng = random.Random(f"dense-{index}")
+    batch = rng.randint(1, 3)
+    seqlen_q = _length(rng, max_len)
+    seqlen_k = seqlen_q if rng.random() < 0.4 else _length(rng, max_len)
+    nheads, nheads_kv = _heads(rng)
+    head_dim = rng.choice(HEAD_DIMS + PADDED_HEAD_DIMS)
+    layout = rng.choices(("contiguous", "mixed_strides", "expanded_kv_heads"), weights=(6, 3, 1))[0]
+    deterministic = rng.random() < 0.2
+    features = _modifiers(rng, max_len)
+    name = (f"dense{index}_b{batch}_q{seqlen_q}_k{seqlen_k}_h{nheads}-{nheads_kv}_d{head_dim}"
+            + _flag_names(**features, layout=layout if layout != "contiguous" else None,
+                          deterministic=deterministic))
+    return AttentionCase(name, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
+                         nheads_kv=nheads_kv, head_dim=head_dim, layout=layout, **features), deterministic
+
+
+def random_attention_cases(count: int, max_len: int, first: int = 0) -> List[Tuple[AttentionCase, bool]]:
+    return [random_attention_case(i, max_len) for i in range(first, first + count)]
+
+
 def random_varlen_case(index: int, max_len: int) -> Tuple[VarlenCase, Optional[int]]:
     """(case, page_size or None) number `index`, sequences of at most max_len rows."""
     rng = random.Random(f"varlen-{index}")
@@ -56,20 +96,15 @@ def random_varlen_case(index: int, max_len: int) -> Tuple[VarlenCase, Optional[i
                              else [_length(rng, max_len) for _ in range(batch)])
     seqlens_q = lengths(dense_q)
     seqlens_k = seqlens_q if rng.random() < 0.4 and dense_k == dense_q else lengths(dense_k)
-    nheads_kv = rng.choice((1, 2, 3))
-    nheads = nheads_kv * rng.choice((1, 2, 4))
+    nheads, nheads_kv = _heads(rng)
     head_dim = rng.choice(HEAD_DIMS + PADDED_HEAD_DIMS if not (dense_q or dense_k) else HEAD_DIMS)
     used = lambda seqlens: (tuple(rng.randint(0, n) for n in seqlens)  # noqa: E731
                             if rng.random() < 0.2 else None)
     paged = not (dense_q or dense_k) and rng.random() < 0.25
     features = dict(
-        causal=rng.random() < 0.5, window=_window(rng, 2 * max_len // 3),
-        softcap=rng.choice((0.5, 2.0, 7.5, 30.0)) if rng.random() < 0.25 else 0.0,
-        alibi=rng.choice(("nheads", "batch_nheads")) if rng.random() < 0.25 else None,
-        softmax_scale=round(rng.uniform(0.05, 0.5), 3) if rng.random() < 0.2 else None,
+        _modifiers(rng, max_len),
         max_seqlen_slack=rng.randint(1, 40) if rng.random() < 0.2 and not (dense_q or dense_k) else 0,
-        seqused_q=used(seqlens_q), seqused_k=used(seqlens_k), dense_q=dense_q, dense_k=dense_k,
-        sink=rng.random() < 0.25)
+        seqused_q=used(seqlens_q), seqused_k=used(seqlens_k), dense_q=dense_q, dense_k=dense_k)
     page_size = rng.choice((1, 5, 16, 64)) if paged else None
     name = (f"varlen{index}_b{batch}_h{nheads}-{nheads_kv}_d{head_dim}"
             + _flag_names(**{k: v for k, v in features.items() if k not in ("seqused_q", "seqused_k")},
