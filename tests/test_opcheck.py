@@ -14,10 +14,15 @@ import pytest
 import torch
 
 import kvcache_inputs
+from random_cases import random_attention_cases, random_kvcache_cases, random_varlen_cases
 from sample_inputs import CASES_BY_NAME, VARLEN_CASES, VarlenCase, cases_tagged
 
+# Besides the tagged cases, a few of the random ones (random_cases.py, small): combinations
+# the fake kernels' shapes and the schema must hold for too.
+RANDOM_CASES = ([case for case, _ in random_attention_cases(12, max_len=80, first=500) if case.op_compatible][:6]
+                + [case for case, _ in random_varlen_cases(12, max_len=80, first=500) if case.op_compatible][:6])
 OPCHECK_CASES = ([case for case in cases_tagged("opcheck") if case.op_compatible]
-                 + [case for case in VARLEN_CASES if "opcheck" in case.tags and case.op_compatible])
+                 + [case for case in VARLEN_CASES if "opcheck" in case.tags and case.op_compatible] + RANDOM_CASES)
 # fp64 is the dtype of gradcheck; a few cases are enough to cover its code path.
 FP64_CASES = ["basic", "all_features", "mixed_strides"]
 
@@ -46,9 +51,13 @@ def test_opcheck_forward_without_grad():
     torch.library.opcheck(torch.ops.flashattn_ext.attention_forward.default, inputs.forward_op_args())
 
 
-@pytest.mark.parametrize("name", ["decode_gqa4_rotary_gptj", "paged16_leftpad", "cache_only", "batch_idx", "sink"])
-def test_opcheck_attention_kvcache_forward(name):
-    case = kvcache_inputs.CASES_BY_NAME[name]
+KVCACHE_OPCHECK_CASES = ([kvcache_inputs.CASES_BY_NAME[name] for name in ("decode_gqa4_rotary_gptj", "paged16_leftpad",
+                                                                           "cache_only", "batch_idx", "sink")]
+                         + [case for case, _ in random_kvcache_cases(4, max_capacity=100, max_seqlen_q=8, first=500)])
+
+
+@pytest.mark.parametrize("case", KVCACHE_OPCHECK_CASES, ids=str)
+def test_opcheck_attention_kvcache_forward(case):
     inputs = kvcache_inputs.make_inputs(case, torch.float32)
     torch.library.opcheck(torch.ops.flashattn_ext.attention_kvcache_forward.default,
                           inputs.op_args(case, num_splits=2))
