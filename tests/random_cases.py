@@ -6,7 +6,7 @@ for the variable-length function; for flash_attn_with_kvcache the same modifiers
 rotary, leftpad, cache_batch_idx, pages, appends and num_splits.
 
 Also dense batches for flash_attn_func: the same modifiers, the three tensor layouts of
-sample_inputs.AttentionCase, and deterministic or not.
+sample_inputs.AttentionCase, deterministic or not, and dropout.
 
 Case i comes from random.Random of its own seed string, so it is the same case on every
 machine and run, whatever the others are, and its name spells its features out: a failure
@@ -64,9 +64,10 @@ def _heads(rng: random.Random) -> Tuple[int, int]:
     return nheads_kv * rng.choice((1, 2, 4)), nheads_kv
 
 
-def random_attention_case(index: int, max_len: int) -> Tuple[AttentionCase, bool]:
-    """(case, deterministic) number `index` for flash_attn_func: a dense batch with every
-    modifier, one of the three tensor layouts, and deterministic or not."""
+def random_attention_case(index: int, max_len: int) -> Tuple[AttentionCase, dict]:
+    """(case, call) number `index` for flash_attn_func: a dense batch with every modifier and
+    one of the three tensor layouts; call: the keyword arguments `deterministic` and
+    `dropout_p` besides the case's own."""
     rng = random.Random(f"dense-{index}")
     batch = rng.randint(1, 3)
     seqlen_q = _length(rng, max_len)
@@ -74,16 +75,16 @@ def random_attention_case(index: int, max_len: int) -> Tuple[AttentionCase, bool
     nheads, nheads_kv = _heads(rng)
     head_dim = rng.choice(HEAD_DIMS + PADDED_HEAD_DIMS)
     layout = rng.choices(("contiguous", "mixed_strides", "expanded_kv_heads"), weights=(6, 3, 1))[0]
-    deterministic = rng.random() < 0.2
+    call = dict(deterministic=rng.random() < 0.2,
+                dropout_p=rng.choice((0.1, 0.3, 0.6)) if rng.random() < 0.2 else 0.0)
     features = _modifiers(rng, max_len)
     name = (f"dense{index}_b{batch}_q{seqlen_q}_k{seqlen_k}_h{nheads}-{nheads_kv}_d{head_dim}"
-            + _flag_names(**features, layout=layout if layout != "contiguous" else None,
-                          deterministic=deterministic))
+            + _flag_names(**features, layout=layout if layout != "contiguous" else None, **call))
     return AttentionCase(name, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
-                         nheads_kv=nheads_kv, head_dim=head_dim, layout=layout, **features), deterministic
+                         nheads_kv=nheads_kv, head_dim=head_dim, layout=layout, **features), call
 
 
-def random_attention_cases(count: int, max_len: int, first: int = 0) -> List[Tuple[AttentionCase, bool]]:
+def random_attention_cases(count: int, max_len: int, first: int = 0) -> List[Tuple[AttentionCase, dict]]:
     return [random_attention_case(i, max_len) for i in range(first, first + count)]
 
 
