@@ -5,8 +5,8 @@ test_varlen's check_case (flash_attn_varlen_func forward and backward against ea
 sequence alone through flash_attn_func and against the fp64 reference under the error
 rule; NaN-poisoned outputs on CUDA) and test_kvcache's check_call (the caches written in
 place and nothing else, out and lse against the fp64 reference built from the expected
-cache contents). CI runs a few hundred small ones on the CPU; the GPU runs 150-200 of each
-kind, larger ones, across the kernels' block boundaries, on both kernel families."""
+cache contents). Here a few hundred small ones on the CPU, in CI; larger ones on the GPU in
+test_random_cases_cuda.py."""
 
 from __future__ import annotations
 
@@ -20,15 +20,12 @@ from random_cases import random_attention_cases, random_kvcache_cases, random_va
 from reference import (BASELINE_DTYPES, FP32_NOISE_RTOL, SINK_GRADIENT, assert_error_rule,
                        attention_reference_with_grads, backward_d_allowances)
 from test_attention_cpu import NAMES, run_flash_attn
-from test_kvcache import check_call, needs_cuda_kernel, poison_outputs
+from test_kvcache import check_call
 from test_varlen import check_case
 
 CPU_DENSE = random_attention_cases(100, max_len=300)
-GPU_DENSE = random_attention_cases(150, max_len=1100, first=10_000)
 CPU_VARLEN = random_varlen_cases(200, max_len=300)
 CPU_KVCACHE = random_kvcache_cases(200, max_capacity=300, max_seqlen_q=24)
-GPU_VARLEN = random_varlen_cases(150, max_len=1100, first=10_000)
-GPU_KVCACHE = random_kvcache_cases(200, max_capacity=3000, max_seqlen_q=200, first=10_000)
 
 
 def ids(cases):
@@ -90,30 +87,3 @@ def test_random_varlen_cpu(index):
 def test_random_kvcache_cpu(index):
     case, num_splits = CPU_KVCACHE[index]
     check_call(case, alternate(index, (torch.bfloat16, torch.float32)), "cpu", num_splits)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.usefixtures("kernel_family")
-@pytest.mark.parametrize("index", range(len(GPU_VARLEN)), ids=ids(GPU_VARLEN))
-def test_random_varlen_cuda(index):
-    case, page_size = GPU_VARLEN[index]
-    check_case(case, alternate(index, (torch.bfloat16, torch.float16)), "cuda", page_size)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.usefixtures("kernel_family")
-@pytest.mark.parametrize("index", range(len(GPU_DENSE)), ids=ids(GPU_DENSE))
-def test_random_dense_cuda(index):
-    case, call = GPU_DENSE[index]
-    check_dense_case(case, alternate(index, (torch.bfloat16, torch.float16)), "cuda", manual_seed=index, **call)
-
-
-@pytest.mark.gpu
-@needs_cuda_kernel
-@pytest.mark.parametrize("index", range(len(GPU_KVCACHE)), ids=ids(GPU_KVCACHE))
-def test_random_kvcache_cuda(index):
-    case, num_splits = GPU_KVCACHE[index]
-    poison_outputs()
-    check_call(case, alternate(index, (torch.bfloat16, torch.float16)), "cuda", num_splits)
