@@ -17,17 +17,21 @@ KERNELS = REPO_ROOT / "benchmarks" / "kernels"
     # One shape of each family is enough for what rots: the launch calls and the params.
     ("forward_tile_sweep.cu", [], "ForwardTileShape<64, 128, 64, 4>"),
     ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], "Sm90ForwardShape<64, 128, 1, 3>"),
+    # The shapes headers prepared for a device call (SWEEP_SHAPES_HEADER), whole.
+    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], KERNELS / "sweep_shapes_d128_short_causal.h"),
     ("backward_sm90_check.cu", [], None),
-], ids=["sweep_sm80", "sweep_sm90", "backward_check"])
+], ids=["sweep_sm80", "sweep_sm90", "sweep_d128_short_causal", "backward_check"])
 def test_kernel_harness_compiles(tmp_path, harness, defines, shapes):
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("no nvcc (set CUDA_HOME)")
     include = []
-    if shapes:
+    if isinstance(shapes, str):
         header = tmp_path / "shapes.h"
         header.write_text(f"#define FLASHATTN_SWEEP_SHAPES {shapes}\n")
         include = ["-include", str(header)]
+    elif shapes is not None:
+        include = ["-include", str(shapes)]
     run = subprocess.run([nvcc, "-std=c++20", "-O1", "-gencode=arch=compute_90a,code=sm_90a", *defines, *include,
                           f"-I{REPO_ROOT / 'csrc'}", "-c", str(KERNELS / harness), "-o", str(tmp_path / "h.o")],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
