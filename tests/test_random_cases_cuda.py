@@ -13,9 +13,9 @@ from test_kvcache import check_call, needs_cuda_kernel, poison_outputs
 from test_random_cases import alternate, check_dense_case, ids
 from test_varlen import check_case
 
-GPU_DENSE = random_attention_cases(150, max_len=1100, first=10_000)
-GPU_VARLEN = random_varlen_cases(150, max_len=1100, first=10_000)
-GPU_KVCACHE = random_kvcache_cases(200, max_capacity=3000, max_seqlen_q=200, first=10_000)
+GPU_DENSE = random_attention_cases(100, max_len=1100, first=10_000)
+GPU_VARLEN = random_varlen_cases(100, max_len=1100, first=10_000)
+GPU_KVCACHE = random_kvcache_cases(150, max_capacity=3000, max_seqlen_q=200, first=10_000)
 
 
 @pytest.mark.gpu
