@@ -18,18 +18,22 @@ GPU_VARLEN = random_varlen_cases(100, max_len=1100, first=10_000)
 GPU_KVCACHE = random_kvcache_cases(150, max_capacity=3000, max_seqlen_q=200, first=10_000)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.usefixtures("kernel_family")
+def on_both_kernel_families(test):
+    """A GPU test run with the kernels the build picks and with the mma.sync ones forced."""
+    for mark in (pytest.mark.usefixtures("kernel_family"),
+                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+@on_both_kernel_families
 @pytest.mark.parametrize("index", range(len(GPU_DENSE)), ids=ids(GPU_DENSE))
 def test_random_dense_cuda(index):
     case, call = GPU_DENSE[index]
     check_dense_case(case, alternate(index, (torch.bfloat16, torch.float16)), "cuda", manual_seed=index, **call)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.usefixtures("kernel_family")
+@on_both_kernel_families
 @pytest.mark.parametrize("index", range(len(GPU_VARLEN)), ids=ids(GPU_VARLEN))
 def test_random_varlen_cuda(index):
     case, page_size = GPU_VARLEN[index]
