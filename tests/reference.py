@@ -62,6 +62,7 @@ FORWARD_FACTOR = 2.0
 BACKWARD_FACTOR = 3.0
 ABS_FLOOR = 1e-5
 FP32_NOISE_RTOL = 2.0 ** -20  # 8 fp32 ulps, relative to the gradients' scale
+FP64_NOISE_RTOL = 2.0 ** -49  # 8 fp64 ulps
 FP32_RTOL, FP32_ATOL = 1e-4, 1e-6
 FP64_RTOL, FP64_ATOL = 1e-10, 1e-12
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -185,13 +186,13 @@ def attention_reference_with_grads(q, k, v, dout, **kwargs):
     return (out.detach(), lse.detach(), *grads)
 
 
-def backward_d_allowances(q, k, v, dout, out, *, softmax_scale=None, noise_rtol: float = FP32_NOISE_RTOL,
-                          dropout_mask=None, dropout_p: float = 0.0,
+def backward_d_allowances(q, k, v, dout, out, *, softmax_scale=None, dropout_mask=None, dropout_p: float = 0.0,
                           **kwargs) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(dq, dk, dsink) fp64 bounds, element by element, of what the backward's D =
     rowsum(dout * out) adds to each gradient when formed from `out` (the kernel's output, in
     the case's layout) instead of the exact output (see the module docstring): per row,
-    delta = |rowsum(dout * (out - exact))| + noise_rtol x rowsum(|dout * exact|), and
+    delta = |rowsum(dout * (out - exact))| + 8 ulps x rowsum(|dout * exact|) (ulps of fp64 for
+    an fp64 out, of fp32, the kernels' accumulators, for any other), and
     dq_i = scale delta_i sum_j P_ij |k_j|, dk_j = scale sum_i P_ij delta_i |q_i| (summed over
     a KV head's query heads), dsink = sum_i P_sink,i delta_i (None without a sink), P the
     undropped probabilities (dS takes them with dropout too). kwargs: attention_reference's
@@ -199,6 +200,7 @@ def backward_d_allowances(q, k, v, dout, out, *, softmax_scale=None, noise_rtol:
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv = k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    noise_rtol = FP64_NOISE_RTOL if out.dtype == torch.float64 else FP32_NOISE_RTOL
     q, k, v, dout, out = (t.detach().double() for t in (q, k, v, dout, out))
     probs, scores, _, _ = _softmax_probabilities(q, k, v, softmax_scale=scale, compute_dtype=torch.float64,
                                                  **kwargs)
