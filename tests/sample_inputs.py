@@ -37,6 +37,16 @@ def alibi_slopes_for(nheads: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / nheads) for h in range(nheads)], dtype=torch.float32)
 
 
+def make_alibi_slopes(kind: Optional[str], batch: int, nheads: int, gen: torch.Generator, device):
+    """None; "nheads": the standard slopes, (nheads,); "batch_nheads": random slopes in
+    [0.05, 0.55), one row per batch entry."""
+    if kind == "nheads":
+        return alibi_slopes_for(nheads).to(device)
+    if kind == "batch_nheads":
+        return (torch.rand(batch, nheads, generator=gen) * 0.5 + 0.05).to(device)
+    return None
+
+
 @dataclass
 class AttentionInputs:
     """Tensors and arguments of one call, ready for flash_attn_func or the ops."""
@@ -153,11 +163,7 @@ class AttentionCase:
         for t in (q, k, v):
             t.requires_grad_(requires_grad)
 
-        alibi_slopes = None
-        if self.alibi == "nheads":
-            alibi_slopes = alibi_slopes_for(h).to(device)
-        elif self.alibi == "batch_nheads":
-            alibi_slopes = (torch.rand(b, h, generator=gen) * 0.5 + 0.05).to(device)
+        alibi_slopes = make_alibi_slopes(self.alibi, b, h, gen, device)
         return AttentionInputs(q, k, v, dout, self.softmax_scale, self.causal, self.window,
                                self.softcap, alibi_slopes,
                                learnable_sink=make_sink(self.sink, h, gen, device, requires_grad))
@@ -341,11 +347,7 @@ class VarlenCase:
         dout = side(self.seqlens_q, self.dense_q, h)
         for t in (q, k, v):
             t.requires_grad_(requires_grad)
-        alibi_slopes = None
-        if self.alibi == "nheads":
-            alibi_slopes = alibi_slopes_for(h).to(device)
-        elif self.alibi == "batch_nheads":
-            alibi_slopes = (torch.rand(self.batch, h, generator=gen) * 0.5 + 0.05).to(device)
+        alibi_slopes = make_alibi_slopes(self.alibi, self.batch, h, gen, device)
         sequence_args = (cu_seqlens(self.seqlens_q, self.dense_q), cu_seqlens(self.seqlens_k, self.dense_k),
                          None if self.seqused_q is None else int32(self.seqused_q),
                          None if self.seqused_k is None else int32(self.seqused_k),
