@@ -19,8 +19,9 @@ KERNELS = REPO_ROOT / "benchmarks" / "kernels"
     ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], "Sm90ForwardShape<64, 128, 1, 3>"),
     # The shapes headers prepared for a device call (SWEEP_SHAPES_HEADER), whole.
     ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], KERNELS / "sweep_shapes_d128_short_causal.h"),
+    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], KERNELS / "sweep_shapes_d64_three_blocks.h"),
     ("backward_sm90_check.cu", [], None),
-], ids=["sweep_sm80", "sweep_sm90", "sweep_d128_short_causal", "backward_check"])
+], ids=["sweep_sm80", "sweep_sm90", "sweep_d128_short_causal", "sweep_d64_three_blocks", "backward_check"])
 def test_kernel_harness_compiles(tmp_path, harness, defines, shapes):
     nvcc = _nvcc()
     if nvcc is None:

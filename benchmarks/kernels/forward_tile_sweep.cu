@@ -66,8 +66,8 @@ cudaError_t launch_shape(const AttentionFwdParams& p) {
 template <typename Shape>
 void describe(char* buf, size_t n) {
   if constexpr (kIsSm90Shape<Shape>)
-    std::snprintf(buf, n, "sm90 M=%3d N=%3d consumer_wgs=%d stages=%d overlap=%d", Shape::kBlockM, Shape::kBlockN,
-                  Shape::kConsumerWarpgroups, Shape::kStages, int(Shape::kOverlap));
+    std::snprintf(buf, n, "sm90 M=%3d N=%3d consumer_wgs=%d stages=%d overlap=%d blocks/SM=%d", Shape::kBlockM,
+                  Shape::kBlockN, Shape::kConsumerWarpgroups, Shape::kStages, int(Shape::kOverlap), Shape::kBlocksPerSM);
   else
     std::snprintf(buf, n, "sm80 M=%3d N=%3d warps=%d ks_unroll=%d", Shape::kBlockM, Shape::kBlockN,
                   Shape::kWarps, Shape::kScoreKUnroll);

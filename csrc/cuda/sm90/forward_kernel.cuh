@@ -42,8 +42,11 @@
 namespace flashattn {
 
 // kOverlap: S_{j+1} and its softmax run under P_j V_j (v2); without it (W = 256 with
-// dropout, for registers) the products run one after the other (v1).
-template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_ = 2, bool kOverlap_ = true>
+// dropout, for registers) the products run one after the other (v1). kBlocksPerSM_: the
+// blocks an SM holds at once, which sets the consumers' registers (0: two with one consumer
+// warpgroup, else one).
+template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_ = 2, bool kOverlap_ = true,
+          int kBlocksPerSM_ = 0>
 struct Sm90ForwardShape {
   static constexpr bool kOverlap = kOverlap_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -64,7 +67,7 @@ struct Sm90ForwardShape {
   // kConsumerRegisters) must stay within the 64K registers of the SM. One consumer warpgroup
   // leaves room for two blocks per SM, so one block's loads and epilogue overlap the other's
   // products (short key loops: causal, small N).
-  static constexpr int kBlocksPerSM = kConsumerWarpgroups == 1 ? 2 : 1;
+  static constexpr int kBlocksPerSM = kBlocksPerSM_ > 0 ? kBlocksPerSM_ : (kConsumerWarpgroups == 1 ? 2 : 1);
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters =
       sm90::consumer_registers(kProducerRegisters, kConsumerWarpgroups, kBlocksPerSM);
