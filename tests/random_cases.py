@@ -16,7 +16,7 @@ names what to rerun and what was combined.
 from __future__ import annotations
 
 import random
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from kvcache_inputs import KvcacheCase
 from sample_inputs import CPU_BLOCK, AttentionCase, VarlenCase
@@ -88,8 +88,9 @@ def random_attention_cases(count: int, max_len: int, first: int = 0) -> List[Tup
     return [random_attention_case(i, max_len) for i in range(first, first + count)]
 
 
-def random_varlen_case(index: int, max_len: int) -> Tuple[VarlenCase, Optional[int]]:
-    """(case, page_size or None) number `index`, sequences of at most max_len rows."""
+def random_varlen_case(index: int, max_len: int) -> Tuple[VarlenCase, dict]:
+    """(case, call) number `index`, sequences of at most max_len rows; call: test_varlen's
+    check_case's `page_size` (None: packed keys) and `deterministic`."""
     rng = random.Random(f"varlen-{index}")
     batch = rng.randint(1, 5)
     dense_q, dense_k = rng.random() < 0.15, rng.random() < 0.15
@@ -106,16 +107,16 @@ def random_varlen_case(index: int, max_len: int) -> Tuple[VarlenCase, Optional[i
         _modifiers(rng, max_len),
         max_seqlen_slack=rng.randint(1, 40) if rng.random() < 0.2 and not (dense_q or dense_k) else 0,
         seqused_q=used(seqlens_q), seqused_k=used(seqlens_k), dense_q=dense_q, dense_k=dense_k)
-    page_size = rng.choice((1, 5, 16, 64)) if paged else None
+    call = dict(page_size=rng.choice((1, 5, 16, 64)) if paged else None, deterministic=rng.random() < 0.2)
     name = (f"varlen{index}_b{batch}_h{nheads}-{nheads_kv}_d{head_dim}"
             + _flag_names(**{k: v for k, v in features.items() if k not in ("seqused_q", "seqused_k")},
                           seqused_q=features["seqused_q"] is not None, seqused_k=features["seqused_k"] is not None,
-                          page=page_size))
+                          page=call["page_size"], deterministic=call["deterministic"]))
     return VarlenCase(name, tuple(seqlens_q), tuple(seqlens_k), nheads=nheads, nheads_kv=nheads_kv,
-                      head_dim=head_dim, **features), page_size
+                      head_dim=head_dim, **features), call
 
 
-def random_varlen_cases(count: int, max_len: int, first: int = 0) -> List[Tuple[VarlenCase, Optional[int]]]:
+def random_varlen_cases(count: int, max_len: int, first: int = 0) -> List[Tuple[VarlenCase, dict]]:
     return [random_varlen_case(i, max_len) for i in range(first, first + count)]
 
 

@@ -89,12 +89,13 @@ class AttentionInputs:
             return self.sequence_args
         return (self.sequence_args or DENSE_SEQUENCE_ARGS) + (self.learnable_sink,)
 
-    def forward_op_args(self) -> tuple:
-        """Positional arguments of torch.ops.flashattn_ext.attention_forward."""
+    def forward_op_args(self, deterministic: bool = False) -> tuple:
+        """Positional arguments of torch.ops.flashattn_ext.attention_forward (deterministic: the
+        backward autograd runs for it)."""
         args = (self.q, self.k, self.v, self.resolved_scale(), self.causal, self.window[0],
                 self.window[1], self.softcap, self.alibi_slopes, 0.0, None)
         trailing = self._trailing_op_args()
-        return args + ((False, *trailing) if trailing else ())
+        return args + ((deterministic, *trailing) if trailing or deterministic else ())
 
     def backward_op_args(self, out: torch.Tensor, lse: torch.Tensor, deterministic: bool = False) -> tuple:
         """Positional arguments of torch.ops.flashattn_ext.attention_backward."""

@@ -77,8 +77,8 @@ def test_random_dense_cpu(index):
 
 @pytest.mark.parametrize("index", range(len(CPU_VARLEN)), ids=ids(CPU_VARLEN))
 def test_random_varlen_cpu(index):
-    case, page_size = CPU_VARLEN[index]
-    check_case(case, alternate(index, (torch.bfloat16, torch.float32)), "cpu", page_size)
+    case, call = CPU_VARLEN[index]
+    check_case(case, alternate(index, (torch.bfloat16, torch.float32)), "cpu", **call)
 
 
 @pytest.mark.parametrize("index", range(len(CPU_KVCACHE)), ids=ids(CPU_KVCACHE))

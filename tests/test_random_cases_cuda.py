@@ -36,8 +36,8 @@ def test_random_dense_cuda(index):
 @on_both_kernel_families
 @pytest.mark.parametrize("index", range(len(GPU_VARLEN)), ids=ids(GPU_VARLEN))
 def test_random_varlen_cuda(index):
-    case, page_size = GPU_VARLEN[index]
-    check_case(case, alternate(index, (torch.bfloat16, torch.float16)), "cuda", page_size)
+    case, call = GPU_VARLEN[index]
+    check_case(case, alternate(index, (torch.bfloat16, torch.float16)), "cuda", **call)
 
 
 @pytest.mark.gpu

@@ -46,7 +46,7 @@ forward_op = torch.ops.flashattn_ext.attention_forward
 backward_op = torch.ops.flashattn_ext.attention_backward
 
 
-def run_varlen(case: VarlenCase, inputs, page_size=None):
+def run_varlen(case: VarlenCase, inputs, page_size=None, deterministic: bool = False):
     """(out, lse, dq, dk, dv[, dsink]), gradients of <out, dout>: through flash_attn_varlen_func
     when both sides are variable-length, else through the op (its autograd formula). With a
     page_size, k and v in pages (block_table), the gradients of the pages brought back to the
@@ -56,7 +56,8 @@ def run_varlen(case: VarlenCase, inputs, page_size=None):
         paged = paged_keys(inputs.k, inputs.v, case.seqlens_k, page_size, requires_grad=True)
         out, lse, _ = flash_attn_varlen_func(inputs.q, paged.k_cache, paged.v_cache, cu_q, cu_k, max_q, max_k,
                                              **inputs.func_kwargs(), return_attn_probs=True,
-                                             block_table=paged.block_table, seqused_q=used_q, seqused_k=used_k)
+                                             deterministic=deterministic, block_table=paged.block_table,
+                                             seqused_q=used_q, seqused_k=used_k)
         sink = () if inputs.learnable_sink is None else (inputs.learnable_sink,)
         dq, dk_cache, dv_cache, *dsink = torch.autograd.grad(
             out, (inputs.q, paged.k_cache, paged.v_cache, *sink), inputs.dout)
@@ -66,10 +67,10 @@ def run_varlen(case: VarlenCase, inputs, page_size=None):
     if not (case.dense_q or case.dense_k):
         out, lse, probs = flash_attn_varlen_func(inputs.q, inputs.k, inputs.v, cu_q, cu_k, max_q, max_k,
                                                  **inputs.func_kwargs(), return_attn_probs=True,
-                                                 seqused_q=used_q, seqused_k=used_k)
+                                                 deterministic=deterministic, seqused_q=used_q, seqused_k=used_k)
         assert probs is None  # no dropout: flash-attn 2 forms no S_dmask
     else:
-        out, lse = forward_op(*inputs.forward_op_args())
+        out, lse = forward_op(*inputs.forward_op_args(deterministic))
     grads = torch.autograd.grad(out, inputs.differentiable(), inputs.dout)
     return (out, lse, *grads)
 
@@ -152,12 +153,12 @@ def dense_flash_attention(inputs):
     return attention
 
 
-def check_case(case: VarlenCase, dtype, device, page_size=None):
+def check_case(case: VarlenCase, dtype, device, page_size=None, deterministic: bool = False):
     inputs = case.make(dtype, device=device, requires_grad=True)
     if device == "cuda":
         from cuda_inputs import poison_allocator
         poison_allocator()
-    actual = run_varlen(case, inputs, page_size)
+    actual = run_varlen(case, inputs, page_size, deterministic)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for name, tensor in zip(NAMES, actual):
         assert tensor.dtype == (lse_dtype if name == "lse" else dtype), name
