@@ -6,7 +6,7 @@ block_table[b][r // page_size], at row r % page_size; sequence b has seqused_k[b
 cu_seqlens_k[b + 1] - cu_seqlens_k[b] (only those differences count: where the pages
 are is the block table's business). Entries past a sequence's last page are never used.
 
-A decoding call (one query row per sequence, no gradient, no dropout or ALiBi) runs on
+A decoding call (one query row per sequence, no gradient, no dropout) runs on
 flash_attn_with_kvcache's op, which reads the pages in place (split-KV, packed GQA).
 
 Any other call: the attention ops take dense or packed keys, so the rows a call can read
