@@ -14,6 +14,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from sample_inputs import make_alibi_slopes
+
 
 @dataclass(frozen=True)
 class KvcacheCase:
@@ -169,9 +171,6 @@ def make_inputs(case: KvcacheCase, dtype: torch.dtype, device="cpu", seed: int =
     if case.seqlen_new:
         k, v = randn(b, case.seqlen_new, hk, d), randn(b, case.seqlen_new, hk, d)
     sink = (torch.randn(case.nheads, generator=gen) + 1.0).to(device) if case.sink else None
-    alibi_slopes = None
-    if case.alibi is not None:
-        shape = (case.nheads,) if case.alibi == "nheads" else (b, case.nheads)
-        alibi_slopes = (torch.rand(*shape, generator=gen) * 0.5 + 0.05).to(device)
+    alibi_slopes = make_alibi_slopes(case.alibi, b, case.nheads, gen, device)
     return KvcacheInputs(randn(b, case.seqlen_q, case.nheads, d), k_cache, v_cache, k, v, rotary_cos,
                          rotary_sin, cache_seqlens, batch_idx, leftpad, block_table, sink, alibi_slopes)
