@@ -13,16 +13,7 @@ from test_kernel_resources import _nvcc
 KERNELS = REPO_ROOT / "benchmarks" / "kernels"
 
 
-@pytest.mark.parametrize("harness, defines, shapes", [
-    # One shape of each family is enough for what rots: the launch calls and the params.
-    ("forward_tile_sweep.cu", [], "ForwardTileShape<64, 128, 64, 4>"),
-    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], "Sm90ForwardShape<64, 128, 1, 3>"),
-    # The shapes headers prepared for a device call (SWEEP_SHAPES_HEADER), whole.
-    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], KERNELS / "sweep_shapes_d128_short_causal.h"),
-    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], KERNELS / "sweep_shapes_d64_three_blocks.h"),
-    ("backward_sm90_check.cu", [], None),
-], ids=["sweep_sm80", "sweep_sm90", "sweep_d128_short_causal", "sweep_d64_three_blocks", "backward_check"])
-def test_kernel_harness_compiles(tmp_path, harness, defines, shapes):
+def _compile_harness(tmp_path, harness, defines, shapes):
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("no nvcc (set CUDA_HOME)")
@@ -33,7 +24,28 @@ def test_kernel_harness_compiles(tmp_path, harness, defines, shapes):
         include = ["-include", str(header)]
     elif shapes is not None:
         include = ["-include", str(shapes)]
-    run = subprocess.run([nvcc, "-std=c++20", "-O1", "-gencode=arch=compute_90a,code=sm_90a", *defines, *include,
-                          f"-I{REPO_ROOT / 'csrc'}", "-c", str(KERNELS / harness), "-o", str(tmp_path / "h.o")],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    return subprocess.run([nvcc, "-std=c++20", "-O1", "-gencode=arch=compute_90a,code=sm_90a", *defines, *include,
+                           f"-I{REPO_ROOT / 'csrc'}", "-c", str(KERNELS / harness), "-o", str(tmp_path / "h.o")],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("harness, defines, shapes", [
+    # One shape of each family is enough for what rots: the launch calls and the params.
+    ("forward_tile_sweep.cu", [], "ForwardTileShape<64, 128, 64, 4>"),
+    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], "Sm90ForwardShape<64, 128, 1, 3>"),
+    # The shapes headers prepared for a device call (SWEEP_SHAPES_HEADER), whole.
+    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], KERNELS / "sweep_shapes_d64_three_blocks.h"),
+    ("backward_sm90_check.cu", [], None),
+], ids=["sweep_sm80", "sweep_sm90", "sweep_d64_three_blocks", "backward_check"])
+def test_kernel_harness_compiles(tmp_path, harness, defines, shapes):
+    run = _compile_harness(tmp_path, harness, defines, shapes)
     assert run.returncode == 0, run.stdout[-4000:]
+
+
+def test_shape_whose_blocks_do_not_fit_an_sm_is_refused(tmp_path):
+    # Two blocks of one consumer warpgroup at d 128 with 128-key blocks need 2 x 145 KB: the
+    # launch bounds would cut the registers for a second block that never fits (it ran at one
+    # block per SM in the sweep, 25-30 % slower than the shipped shape).
+    run = _compile_harness(tmp_path, "forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"],
+                           "Sm90ForwardShape<128, 128, 1, 2>")
+    assert run.returncode != 0 and "shared memory for kBlocksPerSM blocks" in run.stdout, run.stdout[-4000:]

@@ -63,10 +63,11 @@ struct Sm90ForwardShape {
   static constexpr int kBarriers = 1 + 4 * kStages;  // Q full; per stage K full, V full, K empty, V empty
   // + slack to align the tiles to a swizzle atom.
   static constexpr int kSmemBytes = sm90::kSwizzleAtomBytes + kTileBytes + 8 * kBarriers;
-  // setmaxnreg budgets: kBlocksPerSM * 128 * (kProducerRegisters + kConsumerWarpgroups *
-  // kConsumerRegisters) must stay within the 64K registers of the SM. One consumer warpgroup
+  // kBlocksPerSM is what __launch_bounds__ promises ptxas, and it sets the registers each block
+  // is launched with, which setmaxnreg shares out (consumer_registers). One consumer warpgroup
   // leaves room for two blocks per SM, so one block's loads and epilogue overlap the other's
-  // products (short key loops: causal, small N).
+  // products (short key loops: causal, small N). Shared memory must hold that many blocks too,
+  // else the promise costs registers and buys nothing.
   static constexpr int kBlocksPerSM = kBlocksPerSM_ > 0 ? kBlocksPerSM_ : (kConsumerWarpgroups == 1 ? 2 : 1);
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters =
@@ -75,6 +76,8 @@ struct Sm90ForwardShape {
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N and k16 steps");
   static_assert(kBlocksPerSM * 128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
                 "register budget");
+  static_assert(kBlocksPerSM * (kSmemBytes + sm90::kReservedSmemPerBlock) <= sm90::kSmemPerSM,
+                "shared memory for kBlocksPerSM blocks");
 };
 
 // The kernel's arguments: the plain params and one TMA map per input, each map

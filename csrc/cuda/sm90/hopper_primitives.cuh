@@ -19,6 +19,9 @@ namespace sm90 {
 constexpr int kSwizzleBytes = 128;       // one row of a column block
 constexpr int kSwizzleElements = 64;     // 16-bit elements per column-block row
 constexpr int kSwizzleAtomBytes = 1024;  // 8 rows
+// An H100/H200 SM's shared memory, and what the runtime keeps of it for each resident block.
+constexpr int kSmemPerSM = 228 * 1024;
+constexpr int kReservedSmemPerBlock = 1024;
 
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, int arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
@@ -233,11 +236,16 @@ __device__ __forceinline__ void fence_registers(float (&r)[N]) {
 }
 
 // The registers per thread setmaxnreg can give each consumer warpgroup once the producer
-// warpgroup has shrunk to `producer`: what the SM's 64K registers leave for `blocks_per_sm`
-// blocks, in the multiples of 8 setmaxnreg takes, at most its 256.
+// warpgroup has shrunk to `producer`, in the multiples of 8 setmaxnreg takes, at most its 256.
+// setmaxnreg trades registers within a block only (a grow waits on the block's own pool), so
+// the budget is what the block is launched with: __launch_bounds__ gives each of its threads
+// 64K / (threads * blocks_per_sm), rounded down to 8. A budget above that (the SM's 64K over
+// the blocks, when the rounding loses registers) leaves the consumers' grow waiting forever.
 constexpr int consumer_registers(int producer, int consumer_warpgroups, int blocks_per_sm) {
-  const int per_thread = 65536 / (128 * blocks_per_sm);  // per thread of a warpgroup, all warpgroups
-  const int share = (per_thread - producer) / consumer_warpgroups / 8 * 8;
+  const int warpgroups = 1 + consumer_warpgroups;
+  const int launched = 65536 / (128 * warpgroups * blocks_per_sm) / 8 * 8;
+  const int block_pool = (launched < 256 ? launched : 256) * warpgroups;  // per thread of a warpgroup
+  const int share = (block_pool - producer) / consumer_warpgroups / 8 * 8;
   return share < 256 ? share : 256;
 }
 
