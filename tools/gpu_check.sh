@@ -75,8 +75,10 @@ except RuntimeError as e:
       # One pytest process per file, so a crash in one file still reports the others;
       # from /tmp, as CI runs them (pytest from outside the source root).
       # The files run side by side (the GPU has room for both; nothing here is timed).
+      # At the time limit pytest gets SIGINT, which still prints the failures so far (a plain
+      # kill lost the messages of 15 failures once).
       for test_file in "$ROOT"/tests/test_*cuda*.py; do
-        run_stage "gpu_$(basename "$test_file" .py)" in_dir /tmp timeout "${TEST_TIMEOUT_S:-400}" \
+        run_stage "gpu_$(basename "$test_file" .py)" in_dir /tmp timeout -s INT -k 30 "${TEST_TIMEOUT_S:-400}" \
           "$PY" -m pytest -q -rfE --tb=line --maxfail=40 -p no:cacheprovider -m gpu ${PYTEST_ARGS:-} \
           "$test_file" > "$WORK/stage_$(basename "$test_file" .py).txt" &
       done
@@ -86,7 +88,7 @@ except RuntimeError as e:
     suite)
       # Every other test file, on this machine's torch (the CPU backend, the Python layer
       # and the integrations; the GPU-marked cases among them run too), 8 processes.
-      TAIL_LINES=15 run_stage suite in_dir /tmp timeout "${TEST_TIMEOUT_S:-400}" "$PY" -m pytest -q -rfE \
+      TAIL_LINES=15 run_stage suite in_dir /tmp timeout -s INT -k 30 "${TEST_TIMEOUT_S:-400}" "$PY" -m pytest -q -rfE \
         --tb=short -p no:cacheprovider -n 8 $(ls "$ROOT"/tests/test_*.py | grep -v -e _cuda -e cmake_build) ;;
     sanitize)
       # memcheck and racecheck over odd shapes, both kernel families (tools/sanitizer_shapes.py;
