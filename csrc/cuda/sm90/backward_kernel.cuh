@@ -161,8 +161,9 @@ struct Sm90BackwardShape {
   static_assert(2 * kBlockM <= kConsumerThreads, "one consumer thread per lse2 or D value");
   static_assert(kOffDq % 16 == 0, "bulk adds read 16-byte aligned shared memory");
   static_assert(kSmemBytes <= 227 * 1024, "fits the shared memory of an sm_90 block");
-  static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
-                "register budget");
+  static_assert(kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters <=
+                    (1 + kConsumerWarpgroups) * sm90::launch_registers(1 + kConsumerWarpgroups, 1),
+                "register budget: setmaxnreg shares the block's launch registers");
 };
 
 // The kernel's arguments: the plain params and one TMA map per tile input, each 4-d

@@ -74,8 +74,9 @@ struct Sm90ForwardShape {
       sm90::consumer_registers(kProducerRegisters, kConsumerWarpgroups, kBlocksPerSM);
   static_assert(kHeadDim % sm90::kSwizzleElements == 0, "head-dim tile is whole 64-column blocks");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N and k16 steps");
-  static_assert(kBlocksPerSM * 128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
-                "register budget");
+  static_assert(kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters <=
+                    (1 + kConsumerWarpgroups) * sm90::launch_registers(1 + kConsumerWarpgroups, kBlocksPerSM),
+                "register budget: setmaxnreg shares the block's launch registers");
   static_assert(kBlocksPerSM * (kSmemBytes + sm90::kReservedSmemPerBlock) <= sm90::kSmemPerSM,
                 "shared memory for kBlocksPerSM blocks");
 };

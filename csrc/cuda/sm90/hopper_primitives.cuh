@@ -235,17 +235,22 @@ __device__ __forceinline__ void fence_registers(float (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+// The registers each thread of a block of `warpgroups` starts with when `blocks_per_sm` of them
+// share an SM (what __launch_bounds__ lets ptxas take: 64K over them, rounded down to 8).
+// setmaxnreg trades registers within a block only (a grow waits on the block's own pool), so
+// this, times the warpgroups, is all the block's warpgroups can hold together: more (the SM's
+// 64K over the blocks, when the rounding loses registers) leaves a grow waiting forever.
+constexpr int launch_registers(int warpgroups, int blocks_per_sm) {
+  const int launched = 65536 / (128 * warpgroups * blocks_per_sm) / 8 * 8;
+  return launched < 256 ? launched : 256;
+}
+
 // The registers per thread setmaxnreg can give each consumer warpgroup once the producer
 // warpgroup has shrunk to `producer`, in the multiples of 8 setmaxnreg takes, at most its 256.
-// setmaxnreg trades registers within a block only (a grow waits on the block's own pool), so
-// the budget is what the block is launched with: __launch_bounds__ gives each of its threads
-// 64K / (threads * blocks_per_sm), rounded down to 8. A budget above that (the SM's 64K over
-// the blocks, when the rounding loses registers) leaves the consumers' grow waiting forever.
 constexpr int consumer_registers(int producer, int consumer_warpgroups, int blocks_per_sm) {
   const int warpgroups = 1 + consumer_warpgroups;
-  const int launched = 65536 / (128 * warpgroups * blocks_per_sm) / 8 * 8;
-  const int block_pool = (launched < 256 ? launched : 256) * warpgroups;  // per thread of a warpgroup
-  const int share = (block_pool - producer) / consumer_warpgroups / 8 * 8;
+  const int block_registers = launch_registers(warpgroups, blocks_per_sm) * warpgroups;  // per thread of a warpgroup
+  const int share = (block_registers - producer) / consumer_warpgroups / 8 * 8;
   return share < 256 ? share : 256;
 }
 
