@@ -136,6 +136,14 @@ class AttentionCase:
         """Whether the op itself accepts the case (flash_attn_func pads other head dims)."""
         return self.head_dim % 8 == 0
 
+    @staticmethod
+    def _poison_unused_rows(t: torch.Tensor, lengths, used, dense: bool) -> None:
+        start = 0
+        for b, (length, count) in enumerate(zip(lengths, used)):
+            rows = t[b, count:] if dense else t[start + count:start + length]
+            rows.fill_(float("nan"))
+            start += length
+
     def make(self, dtype: torch.dtype = torch.float32, device="cpu", requires_grad: bool = False,
              seed: int = 0) -> AttentionInputs:
         gen = torch.Generator().manual_seed(seed)
@@ -323,6 +331,14 @@ class VarlenCase:
         """The rows of each sequence that count: seqused where given, else all."""
         return self.seqused_q or self.seqlens_q, self.seqused_k or self.seqlens_k
 
+    @staticmethod
+    def _poison_unused_rows(t: torch.Tensor, lengths, used, dense: bool) -> None:
+        start = 0
+        for b, (length, count) in enumerate(zip(lengths, used)):
+            rows = t[b, count:] if dense else t[start + count:start + length]
+            rows.fill_(float("nan"))
+            start += length
+
     def make(self, dtype: torch.dtype = torch.float32, device="cpu", requires_grad: bool = False,
              seed: int = 0) -> AttentionInputs:
         gen = torch.Generator().manual_seed(seed)
@@ -346,6 +362,13 @@ class VarlenCase:
         q, k, v = side(self.seqlens_q, self.dense_q, h), side(self.seqlens_k, self.dense_k, hk), \
             side(self.seqlens_k, self.dense_k, hk)
         dout = side(self.seqlens_q, self.dense_q, h)
+        # The rows seqused leaves out can hold anything (torch.empty's NaN and inf included): NaN
+        # there shows any kernel that reads them into a sum (0 x NaN is NaN).
+        used_q, used_k = self.used_lengths()
+        for t in (q, dout):
+            self._poison_unused_rows(t, self.seqlens_q, used_q, self.dense_q)
+        for t in (k, v):
+            self._poison_unused_rows(t, self.seqlens_k, used_k, self.dense_k)
         for t in (q, k, v):
             t.requires_grad_(requires_grad)
         alibi_slopes = make_alibi_slopes(self.alibi, self.batch, h, gen, device)

@@ -141,10 +141,7 @@ def d_term_allowances(inputs):
     return attention
 
 
-def dense_flash_attention(inputs, mma_sync_backward: bool = False):
-    """An attention function for per_sequence: flash_attn_func, forward and backward;
-    mma_sync_backward: its backward on the mma.sync kernels (FLASHATTN_DISABLE_HOPPER_KERNELS),
-    the family a varlen call with per-sequence row limits runs on CUDA."""
+def dense_flash_attention(inputs):
     def attention(q, k, v, dout, alibi_slopes):
         # Views of the varlen tensors' own storage, not copies: BLAS results can depend on
         # the alignment of the data, and the comparison is bit for bit.
@@ -152,20 +149,8 @@ def dense_flash_attention(inputs, mma_sync_backward: bool = False):
         kwargs = {**inputs.func_kwargs(), "alibi_slopes": alibi_slopes}
         out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
         sink = () if inputs.learnable_sink is None else (inputs.learnable_sink,)
-        with pytest.MonkeyPatch.context() as env:
-            if mma_sync_backward:
-                env.setenv("FLASHATTN_DISABLE_HOPPER_KERNELS", "1")
-            return (out, lse, *torch.autograd.grad(out, (q, k, v, *sink), dout))
+        return (out, lse, *torch.autograd.grad(out, (q, k, v, *sink), dout))
     return attention
-
-
-def backward_on_mma_sync(case: VarlenCase, page_size) -> bool:
-    """Whether a CUDA varlen call's backward runs the mma.sync kernels where flash_attn_func's
-    would run the Hopper ones: the Hopper backward leaves the rows its tile copies bring from
-    past a sequence's end as they are, so calls with seqused (pages: seqused_k of a gathered
-    copy) take the mma.sync one (cuda/backward_launch.cuh), which rounds its sums in another
-    order. The dense check then compares like with like."""
-    return case.seqused_q is not None or case.seqused_k is not None or page_size is not None
 
 
 def check_case(case: VarlenCase, dtype, device, page_size=None, deterministic: bool = False):
@@ -180,8 +165,7 @@ def check_case(case: VarlenCase, dtype, device, page_size=None, deterministic: b
         assert not torch.isnan(tensor).any(), f"{case.name}: {name} has NaN (a row left unwritten?)"
 
     names = names_of(inputs)
-    dense = per_sequence(case, inputs, dense_flash_attention(
-        inputs, mma_sync_backward=device == "cuda" and backward_on_mma_sync(case, page_size)), dtype)
+    dense = per_sequence(case, inputs, dense_flash_attention(inputs), dtype)
     for name, a, e in zip(names, actual, dense):
         torch.testing.assert_close(a, e.to(a.dtype), msg=f"{case.name}: {name} vs flash_attn_func per sequence")
 

@@ -59,10 +59,13 @@ struct SequenceInfo {
     return p.cu_seqlens_k != nullptr ? 0 : b;
   }
   // Whether rows past a sequence's end, inside the tensor, can hold anything (the
-  // next sequence, rows seqused leaves out): the Hopper kernels' tile copies read
-  // them (only the dense tensor's own end is zero-filled by TMA).
+  // next sequence, rows seqused leaves out), for keys and for queries: the Hopper
+  // kernels' tile copies read them (only the dense tensor's own end is zero-filled by TMA).
   FLASHATTN_HOST_DEVICE static bool keys_may_overrun(const AttentionFwdParams& p) {
     return p.cu_seqlens_k != nullptr || p.seqused_k != nullptr;
+  }
+  FLASHATTN_HOST_DEVICE static bool queries_may_overrun(const AttentionFwdParams& p) {
+    return p.cu_seqlens_q != nullptr || p.seqused_q != nullptr;
   }
 
  private:

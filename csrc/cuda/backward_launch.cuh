@@ -21,14 +21,9 @@ cudaError_t launch_attention_backward(const AttentionBwdParams& params, const De
       params.seqlen_q_rounded % kBackwardQueryRowRounding != 0 ||
       params.seqlen_q_rounded < params.seqlen_q)
     return cudaErrorInvalidValue;
-  // The Hopper main kernel does not zero the rows its tile copies bring from past a sequence's
-  // end (the forward does, for V): with seqused those rows may hold anything, and the sm_80
-  // kernel's copies zero-fill them.
   using HopperShape = typename Sm90BackwardPlan<kHeadDimTile, kMod>::Shape;
   if constexpr (!std::is_void_v<HopperShape>) {
-    const bool rows_past_end_unused = params.seqused_q != nullptr || params.seqused_k != nullptr;
-    if (limits.hopper_kernels && !rows_past_end_unused &&
-        HopperShape::kSmemBytes <= limits.max_smem_per_block) {
+    if (limits.hopper_kernels && HopperShape::kSmemBytes <= limits.max_smem_per_block) {
       Sm90BackwardArgs args;
       if (make_backward_sm90_args<Element, HopperShape>(params, &args))
         return backward::run_backward_passes<Element>(params, stream, [&] {

@@ -45,7 +45,7 @@
 // free of both warpgroups.
 //
 // Producer: one thread issues the TMA copies, K and V once, then per query block Q and dO (4-d
-// maps, 128-byte swizzle, zero fill past the sequence and past head_dim) into a ring of kStages
+// maps, 128-byte swizzle, zero fill past the tensor's rows and past head_dim) into a ring of kStages
 // stages, completing on "full" mbarriers; a stage is reused once all 8 consumer warps have
 // arrived on its "empty" mbarrier. The dQ writer (by keys) waits on the named barrier
 // kDqFullBarrier for the consumers' dQ tile, adds it to the workspace with one bulk reduction
@@ -53,6 +53,8 @@
 // before they store the next one. Per-thread atomics instead (v1, v2) stalled the consumers on
 // the load/store queue with all 8 warps at the same point; one bulk add per row (64 of them
 // per block) instead was limited by the copy engine's rate of operations (d 64 lost 28 %).
+// With variable-length q, two tail zeroer warps zero the rows of Q and dO that a straddling
+// query block's copies bring from past its sequence's end.
 //
 // lse2 and D of a query block: 128 consumer threads load one value each from the workspaces an
 // iteration ahead, at its start, and store it into the other of two buffers just before that
@@ -244,6 +246,26 @@ __device__ __forceinline__ void store_score_tile(unsigned char* tile, const floa
           MmaElement<Element>::pack(v[4 * j + 2 * half], v[4 * j + 2 * half + 1]);
 }
 
+// Zeroes rows [row_begin, kRows) of two tiles that tma_load_tile filled (each column block
+// kRows rows of 128 bytes; the swizzle moves 16-byte pieces only within a row) with `threads`
+// threads, then fences for the async proxy. The backward's tail zeroers run it in the producer
+// warpgroup's 24 registers: a loop over every piece of the tiles without a division (the
+// forward's and the consumers' sm90::zero_tile_rows, a loop over the rows to zero, spilled
+// 36 bytes there, and its variants moved ptxas's allocation of the consumers into spills).
+template <int kColumnBlocks, int kRows>
+__device__ __forceinline__ void zero_rows_from(uint32_t tile_a, uint32_t tile_b, int row_begin, int thread,
+                                               int threads) {
+  constexpr int kPiecesPerRow = sm90::kSwizzleBytes / 16;
+#pragma unroll 1
+  for (int i = thread; i < kColumnBlocks * kRows * kPiecesPerRow; i += threads) {
+    if ((i / kPiecesPerRow) % kRows >= row_begin) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(tile_a + 16 * i), "r"(0) : "memory");
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(tile_b + 16 * i), "r"(0) : "memory");
+    }
+  }
+  sm90::fence_shared_to_async_proxy();
+}
+
 }  // namespace backward
 
 template <typename Element, typename Shape, ScoreMod kMod>
@@ -303,6 +325,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     return dq_add_turn(mask, n0 / BN, query_block_start(it) / BM, BM, BN, last_key_block_first);
   };
   const int warpgroup = threadIdx.x / 128;
+  constexpr int kTailZeroingWarps = 2;  // warps 2, 3 of the producer warpgroup
+  constexpr int kTailZeroingThreads = Shape::kConsumerThreads + 32 * kTailZeroingWarps;  // their barriers
 
   if (threadIdx.x == 0) {
     sm90::mbarrier_init(kv_full, 1);
@@ -386,6 +410,25 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
           backward::store_release(semaphore, turn + 1);
         }
       }
+    } else if (threadIdx.x / 32 >= 2 && SequenceInfo::queries_may_overrun(p) && num_iters > 0) {
+      // The tail zeroers: in the query block that straddles the sequence's end (the last of each
+      // head, if any), the rows of Q and dO past seqlen_q. The consumers arrive on
+      // kTailLandedBarrier once the block's copies have landed and wait on kTailZeroedBarrier;
+      // they cannot release the stage before, so its "full" phase is still the block's (and the
+      // zeroers' wait on it returns at once). Here rather than in the consumers: their loop holds
+      // every register it has, and the zeroing in it spilled (8-28 bytes at W = 64).
+      const int straddling = (seq.seqlen_q - 1) / BM - m_first;  // iteration of the head's straddling block
+      if (straddling < num_m && (straddling + m_first + 1) * BM > seq.seqlen_q) {
+        const int rows_valid = seq.seqlen_q - (straddling + m_first) * BM;
+        for (int it = straddling; it < num_iters; it += num_m) {
+          const int stage = it % kStages;
+          sm90::named_barrier_sync(sm90::kTailLandedBarrier, kTailZeroingThreads);
+          sm90::mbarrier_wait(full(stage), (it / kStages) & 1);
+          backward::zero_rows_from<Shape::kColumnBlocks, BM>(q_smem(stage), do_smem(stage), rows_valid,
+                                                             threadIdx.x - 64, 32 * kTailZeroingWarps);
+          sm90::named_barrier_arrive(sm90::kTailZeroedBarrier, kTailZeroingThreads);
+        }
+      }
     }
     return;
   }
@@ -437,10 +480,21 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int kind = stat_index / BM;  // 0: lse2, 1: D
     row_stat_buffers[(2 * kind + (it & 1)) * BM + stat_index % BM] = value;
   };
+  // Rows a tile copy brings from past a sequence's end belong to the next sequence or to rows
+  // seqused leaves out, and may hold anything: P and dS are 0 there, but 0 * inf or NaN is not,
+  // and the products sum over those rows (dK, dV over queries, dQ over keys). The tiles that
+  // straddle an end get those rows zeroed before any product reads them (TMA already zero-fills
+  // past the tensor's own end, so dense calls skip this). Keys here, once; queries by the tail
+  // zeroers of the producer warpgroup.
   if (num_iters > 0) {
     if (stat_index < 2 * BM) store_row_stat(0, fetch_row_stat(0));
-    sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
     sm90::mbarrier_wait(kv_full, 0);
+    const int key_rows_valid = seq.seqlen_k - n0;
+    if (SequenceInfo::keys_may_overrun(p) && key_rows_valid < BN) {
+      sm90::zero_tile_rows<Shape::kColumnBlocks>(k_smem, BN, key_rows_valid, stat_index, Shape::kConsumerThreads);
+      sm90::zero_tile_rows<Shape::kColumnBlocks>(v_smem, BN, key_rows_valid, stat_index, Shape::kConsumerThreads);
+    }
+    sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
   }
   sm90::PipelineState<kStages> read;
   for (int it = 0; it < num_iters; ++it, read.advance()) {
@@ -452,6 +506,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     float s[NQ / 2], dp[NQ / 2];  // Sᵀ then Pᵀ; dPᵀ then dSᵀ
     sm90::mbarrier_wait(full(stage), read.phase);
+    if (SequenceInfo::queries_may_overrun(p) && m0 + BM > seq.seqlen_q) {
+      sm90::named_barrier_arrive(sm90::kTailLandedBarrier, kTailZeroingThreads);
+      sm90::named_barrier_sync(sm90::kTailZeroedBarrier, kTailZeroingThreads);
+    }
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)

@@ -120,6 +120,8 @@ enum NamedBarrier : int {
   kDqEmptyBarrier = 3,    // backward: the dQ writer's bulk adds have read that tile
   kDqTurnBarrier = 4,     // backward by head dims, deterministic: the query block's turn to add dQ has come
   kDqAddedBarrier = 5,    // backward by head dims, deterministic: the consumers have issued their dQ adds
+  kTailLandedBarrier = 6,  // backward, variable-length q: a straddling query block's Q, dO have landed
+  kTailZeroedBarrier = 7,  // backward, variable-length q: their rows past the sequence's end are zero
 };
 
 // Barrier `id` (1..15; 0 is __syncthreads) that completes once `threads` threads (whole
