@@ -1,7 +1,9 @@
-// The passes around the backward's main kernel, shared by both kernel families: zeroing
-// the dQ workspace, the preprocess (D, lse2), the postprocess (dq in the output dtype),
+// The passes around the backward's main kernel, shared by both kernel families: the
+// preprocess (D, lse2, the zeroed dQ workspace), the postprocess (dq in the output dtype),
 // and the fp32 reduction into the dQ workspace that the main kernels use, with the semaphores
-// that order it when deterministic.
+// that order it when deterministic. The main kernel and the postprocess are programmatic
+// dependent launches (common/dependent_launch.cuh): each waits for the kernel before where
+// it first reads what that one wrote, so their launch and set-up overlap its tail.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,6 +15,8 @@
 #include "common/attention_params.h"
 #include "common/sequence_info.h"
 #include "cuda/backward_launch.h"
+#include "cuda/common/dependent_launch.cuh"
+#include "cuda/common/kernel_launch.cuh"
 #include "cuda/common/mma_primitives.cuh"
 
 namespace flashattn {
@@ -42,8 +46,10 @@ __device__ __forceinline__ void red_add_pair(float* dst, float a, float b) {
 }
 
 // ---------------------------------------------------------------------------------------
-// 1. D = rowsum(dO ∘ O) and lse2 = lse·log2(e) for every (batch, head, padded query row).
-// Eight lanes share a row, each reading 16-byte chunks, so a row is read in 128-byte pieces.
+// 1. D = rowsum(dO ∘ O), lse2 = lse·log2(e) and a zeroed dQ workspace row for every (batch,
+// head, padded query row). Eight lanes share a row, each reading 16-byte chunks, so a row is
+// read in 128-byte pieces. (Zeroing the workspace here rather than by a memset before saves a
+// launch and lets the main kernel follow this one as a dependent launch.)
 constexpr int kPrepThreads = 256;
 constexpr int kPrepLanesPerRow = 8;
 
@@ -51,6 +57,7 @@ template <typename Element>
 __global__ void __launch_bounds__(kPrepThreads) attention_backward_preprocess_kernel(
     const AttentionBwdParams p) {
   constexpr int kRowsPerBlock = kPrepThreads / kPrepLanesPerRow;
+  allow_dependent_launch();  // the main kernel waits for this one before it reads D, lse2, dQ
   // (batch, head, row < seqlen_q_rounded), whatever the workspace layout: each sequence's rows
   // and the padding up to its whole 128-row blocks.
   const int64_t rows = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q_rounded;
@@ -83,10 +90,17 @@ __global__ void __launch_bounds__(kPrepThreads) attention_backward_preprocess_ke
 #pragma unroll
     for (int offset = 1; offset < kPrepLanesPerRow; offset *= 2)
       acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (owned && sub == 0) {
+    if (owned) {
       const int64_t w = backward_workspace_row(p, seq.q_offset, b, h) + i;
-      p.softmax_d[w] = acc;
-      p.lse_log2[w] = real ? *seq.lse_row(p, b, h, i) * 1.4426950408889634f : INFINITY;
+      if (sub == 0) {
+        p.softmax_d[w] = acc;
+        p.lse_log2[w] = real ? *seq.lse_row(p, b, h, i) * 1.4426950408889634f : INFINITY;
+      }
+      // The row's 8 columns of each 8 x 8 tile of dq_accum are 32 contiguous bytes.
+      for (int c = sub * 8; c < p.head_dim_rounded; c += 8 * kPrepLanesPerRow) {
+        float4* const zero = reinterpret_cast<float4*>(p.dq_accum + dq_accum_offset(w, c, p.head_dim_rounded));
+        zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
   }
 }
@@ -98,6 +112,7 @@ constexpr int kPostThreads = 256;
 template <typename Element>
 __global__ void __launch_bounds__(kPostThreads) attention_backward_postprocess_kernel(
     const AttentionBwdParams p) {
+  wait_for_previous_kernel();  // the main kernel's dQ adds
   const int chunks = p.head_dim / 8;
   const int64_t total = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q * chunks;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kPostThreads + threadIdx.x; idx < total;
@@ -129,14 +144,15 @@ inline unsigned int grid_stride_blocks(int64_t work_items, int items_per_block) 
   return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1 << 20)));
 }
 
-// The three passes around any main kernel: zero the dQ workspace (and the semaphores), the
-// preprocess (D, lse2), launch_main(), the postprocess (dq in the output dtype).
+// The passes around any main kernel: zero the semaphores (deterministic), the preprocess (D,
+// lse2, the zeroed dQ workspace), launch_main() (a dependent launch of the main kernel, which
+// waits for the preprocess before it reads D, lse2 or adds to dQ), the postprocess (dq in the
+// output dtype; a dependent launch that waits for the main kernel first).
 template <typename Element, typename LaunchMain>
 cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream,
                                 const LaunchMain& launch_main) {
   const int64_t heads = static_cast<int64_t>(p.batch) * p.nheads_q;
-  cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * p.workspace_rows * p.head_dim_rounded, stream);
-  if (err != cudaSuccess) return err;
+  cudaError_t err = cudaSuccess;
   if (p.deterministic) {
     err = cudaMemsetAsync(p.dq_semaphore, 0,
                           sizeof(int) * heads * (p.seqlen_q_rounded / kBackwardMinBlockM), stream);
@@ -152,10 +168,9 @@ cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream
   err = launch_main();
   if (err != cudaSuccess) return err;
 
-  attention_backward_postprocess_kernel<Element>
-      <<<grid_stride_blocks(heads * p.seqlen_q * (p.head_dim / 8), kPostThreads), kPostThreads, 0,
-         stream>>>(p);
-  return cudaGetLastError();
+  return launch_on_flat_grid(attention_backward_postprocess_kernel<Element>,
+                             grid_stride_blocks(heads * p.seqlen_q * (p.head_dim / 8), kPostThreads), kPostThreads,
+                             0, stream, p, LaunchOrder::kDependent);
 }
 
 }  // namespace backward

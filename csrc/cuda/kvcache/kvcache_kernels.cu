@@ -72,7 +72,7 @@ cudaError_t launch_kvcache_combine(const KvcacheFwdParams& params, cudaStream_t 
     const auto kernel = params.head_dim <= 64    ? kvcache_combine_kernel<Element, 1>
                         : params.head_dim <= 128 ? kvcache_combine_kernel<Element, 2>
                                                  : kvcache_combine_kernel<Element, 4>;
-    return launch_dependent(kernel, static_cast<unsigned>(rows), 32 * kCombineWarps, stream, params);
+    return launch_on_flat_grid(kernel, rows, 32 * kCombineWarps, 0, stream, params, LaunchOrder::kDependent);
   };
   return params.is_bf16 ? launch(__nv_bfloat16{}) : launch(__half{});
 }

@@ -1,9 +1,11 @@
 // Backward pass of exact attention, FlashAttention-2 style (mma.sync, sm_80+).
 //
-// Algorithm. Three kernels on one stream:
+// Algorithm. Three kernels on one stream (the second and third programmatic dependent
+// launches of the one before: common/backward_passes.cuh):
 //   1. preprocess: per query row, D = rowsum(dO * O) in fp32 and lse2 = lse * log2(e), into
 //      workspaces padded to seqlen_q_rounded rows (padded rows: D = 0, lse2 = +inf, so every
-//      P computed for them below is exp2(-inf) = 0 and they contribute nothing).
+//      P computed for them below is exp2(-inf) = 0 and they contribute nothing), and the
+//      row of the dQ workspace zeroed.
 //   2. main: one thread block per (key block, kv head, batch), flattened into blockIdx.x. It
 //      keeps dK and dV of its BN keys in registers while it walks every query head of its
 //      GQA group and, per head, every query block that sees one of its keys (MaskGeometry
@@ -67,6 +69,7 @@
 #include "common/attention_params.h"
 #include "cuda/backward_launch.h"
 #include "cuda/common/backward_passes.cuh"
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_primitives.cuh"
 #include "cuda/common/score_transform.cuh"
@@ -270,6 +273,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const int dq_row0 = (warp % Tile::kDqWarpsQ) * Tile::kDqRowsPerWarp;
   const int dq_col0 = (warp / Tile::kDqWarpsQ) * Tile::kDqColsPerWarp;
 
+  // A dependent launch of the preprocess (common/backward_passes.cuh), and the postprocess one
+  // of this kernel: every thread waits for the preprocess before anything else.
+  allow_dependent_launch();
+  wait_for_previous_kernel();
   const BackwardBlock blk(p, BM, BN);
   if (blk.empty) return;
   // The sequence's bounds, read from shared memory where the loop needs them: held in

@@ -74,7 +74,7 @@ struct BackwardVariantPlans<W, kMod, true> {
 template <typename Element, typename Tile, ScoreMod kMod>
 cudaError_t launch_main_kernel(const AttentionBwdParams& p, cudaStream_t stream) {
   return launch_on_flat_grid(attention_backward_kernel<Element, Tile, kMod>, BackwardBlock::grid_blocks(p, Tile::kBlockN),
-                             Tile::kThreads, Tile::kSmemBytes, stream, p);
+                             Tile::kThreads, Tile::kSmemBytes, stream, p, LaunchOrder::kDependent);
 }
 
 template <typename Element, typename Tile, ScoreMod kMod>

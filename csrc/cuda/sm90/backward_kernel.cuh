@@ -98,6 +98,7 @@
 #include "common/attention_params.h"
 #include "cuda/backward_launch.h"
 #include "cuda/common/backward_passes.cuh"
+#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_primitives.cuh"
 #include "cuda/common/score_transform.cuh"
@@ -297,7 +298,15 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
   const bool last_key_block_first = dq_adds_last_key_block_first(p);
   const BackwardBlock blk(p, BM, BN, p.deterministic && last_key_block_first);
-  if (blk.empty) return;
+  // A dependent launch (common/backward_passes.cuh): the postprocess may start once every block
+  // has begun; D, lse2 and the zeroed dQ workspace are read and added to only after the
+  // preprocess has finished (the wait), and an empty block waits too, so that this grid never
+  // finishes before it and the postprocess cannot read the workspace it is still zeroing.
+  allow_dependent_launch();
+  if (blk.empty) {
+    wait_for_previous_kernel();
+    return;
+  }
   const SequenceInfo& seq = blk.seq;
   const int64_t workspace_sequence = backward_workspace_sequence(p, seq.q_offset, blk.b);
   const int n0 = blk.n0, h_kv = blk.h_kv, b = blk.b, group = blk.group;
@@ -363,6 +372,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       // consumers once the add has read it. Deterministic: the add waits for its turn on the
       // query block's semaphore (dq_add_turn) and, once complete, passes the turn on.
       const bool issuer = threadIdx.x % 32 == 0;
+      wait_for_previous_kernel();        // the zeroed workspace, which the bulk adds (async proxy)
+      sm90::fence_async_proxy_global();  // read after the preprocess's generic stores
       for (int it = 0; it < num_iters; ++it) {
         const int m0 = query_block_start(it);
         const int row_groups = (min(BM, seq.seqlen_q - m0) + 7) / 8;
@@ -434,6 +445,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   }
 
   sm90::warpgroup_registers_grow<Shape::kConsumerRegisters>();
+  wait_for_previous_kernel();  // the producer's first copies are already under way
   const int consumer = warpgroup - 1;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int warp_row = ((threadIdx.x / 32) % 4) * 16;  // this warp's rows of an M = 64 product

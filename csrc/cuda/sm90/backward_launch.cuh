@@ -60,12 +60,12 @@ bool make_backward_sm90_args(const AttentionBwdParams& params, Sm90BackwardArgs*
                                   params.nheads_kv, k_map_batches(params), Shape::kBlockN);
 }
 
-// The main kernel only; the workspaces must already hold D, lse2 and a zeroed dQ accumulator.
+// The main kernel only, a dependent launch of the preprocess (common/backward_passes.cuh).
 template <typename Element, typename Shape, ScoreMod kMod>
 cudaError_t launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stream) {
   return launch_on_flat_grid(attention_backward_sm90_kernel<Element, Shape, kMod>,
                              BackwardBlock::grid_blocks(args.params, Shape::kBlockN), Shape::kThreads,
-                             Shape::kSmemBytes, stream, args);
+                             Shape::kSmemBytes, stream, args, LaunchOrder::kDependent);
 }
 
 }  // namespace flashattn
