@@ -1,7 +1,8 @@
 """Variable-length batches: ours (the varlen ops) on one batch of mixed sequence lengths,
-against our dense kernel at the batch's mean length, FlashAttention-4's
-flash_attn_varlen_func (where flash_attn.cute imports) and cuDNN through PyTorch's
-nested-tensor SDPA (where it accepts the case).
+against our dense kernel at the batch's mean length, ours on the same sequences in longer
+slots cut by seqused (the slack rows NaN, as rows seqused leaves out may be; paged varlen
+calls take this route), FlashAttention-4's flash_attn_varlen_func (where flash_attn.cute
+imports) and cuDNN through PyTorch's nested-tensor SDPA (where it accepts the case).
 
 Convention (issue 11): lengths drawn uniformly from [--min-len, --max-len] until the batch
 holds --total-tokens (the last one trimmed), nheads = hidden / head_dim, bf16. TFLOP/s =
@@ -25,7 +26,8 @@ import torch
 import bench_common as bc
 
 MODES = ("fwd", "bwd")
-IMPLS = ("ours_varlen", "ours_dense_at_mean", "fa4_varlen", "cudnn_nested")
+IMPLS = ("ours_varlen", "ours_dense_at_mean", "ours_varlen_seqused", "fa4_varlen", "cudnn_nested")
+SEQUSED_SLACK = 40  # rows past each sequence's used ones in its slot (not a multiple of a tile)
 
 
 def parse_args(argv=None):
@@ -70,19 +72,40 @@ def _varlen_inputs(lengths, nheads, head_dim, dtype, device, gen):
     total = sum(lengths)
     t = bc.make_attention_inputs("bshd", 1, total, total, nheads, nheads, head_dim, dtype, device, gen)
     cu = torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
-    return SimpleNamespace(**{k: v[0] for k, v in t.items()}, cu=cu, max_len=max(lengths))
+    return SimpleNamespace(**{k: v[0] for k, v in t.items()}, cu=cu, max_len=max(lengths), used=None,
+                           used_rows=None)
+
+
+def _in_slots(s, lengths, slack):
+    """The sequences of varlen inputs s in slots `slack` rows longer, the rows past each one NaN,
+    called with seqused_q = seqused_k = lengths; used_rows: the slots' rows that hold s's rows."""
+    slots = [n + slack for n in lengths]
+    starts = [0]
+    for n in slots[:-1]:
+        starts.append(starts[-1] + n)
+    used_rows = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lengths)]).to(s.q.device)
+
+    def spread(t):
+        out = torch.full((sum(slots), *t.shape[1:]), float("nan"), dtype=t.dtype, device=t.device)
+        out[used_rows] = t
+        return out
+
+    cu = torch.tensor([0] + slots, dtype=torch.int32, device=s.q.device).cumsum(0, dtype=torch.int32)
+    return SimpleNamespace(q=spread(s.q), k=spread(s.k), v=spread(s.v), dout=spread(s.dout), cu=cu,
+                           max_len=max(slots), used=torch.tensor(lengths, dtype=torch.int32, device=s.q.device),
+                           used_rows=used_rows)
 
 
 def _ours_varlen_forward(s, scale, causal):
     return torch.ops.flashattn_ext.attention_forward(
         s.q, s.k, s.v, scale, causal, -1, -1, 0.0, None, 0.0, None, False,
-        s.cu, s.cu, None, None, s.max_len, s.max_len)
+        s.cu, s.cu, s.used, s.used, s.max_len, s.max_len)
 
 
 def _ours_varlen_backward(s, out, lse, scale, causal):
     return torch.ops.flashattn_ext.attention_backward(
         s.dout, s.q, s.k, s.v, out, lse, scale, causal, -1, -1, 0.0, None, 0.0, None, False,
-        s.cu, s.cu, None, None, s.max_len, s.max_len)
+        s.cu, s.cu, s.used, s.used, s.max_len, s.max_len)
 
 
 def _fa4_varlen():
@@ -127,10 +150,19 @@ def run_point(impl, lengths, causal, args, device, dtype, gen, tcfg, reference):
     else:
         sets = [_varlen_inputs(lengths, nheads, d, dtype, device, gen) for _ in range(2)]
         flops = {m: sequence_flops(lengths, nheads, d, causal, m) for m in MODES}
-        if impl == "ours_varlen":
+        if impl.startswith("ours_varlen"):
+            if impl == "ours_varlen_seqused":
+                # The first set holds the reference's values, so its output is compared with it.
+                sets = [_in_slots(s, lengths, SEQUSED_SLACK) for s in (reference[causal][0], sets[1])]
             fwd = lambda s: _ours_varlen_forward(s, scale, causal)  # noqa: E731
             saved = [fwd(s) for s in sets]
-            reference[causal] = (sets[0], saved[0][0])
+            if impl == "ours_varlen":
+                reference[causal] = (sets[0], saved[0][0])
+            else:
+                diff = (saved[0][0][sets[0].used_rows].float() - reference[causal][1].float()).abs().max().item()
+                if not diff < 0.05:
+                    raise RuntimeError(f"seqused output differs from plain varlen by {diff:.3g}")
+                base["max_abs_diff_vs_ours"] = diff
             bwd = lambda i: _ours_varlen_backward(sets[i], *saved[i], scale, causal)  # noqa: E731
         else:
             if impl == "fa4_varlen":
@@ -185,7 +217,7 @@ def main(argv=None):
                 rows += [dict(impl=impl, causal=causal, mode=m, status=status, reason=reason) for m in MODES]
             bc.free_memory(device)
     for row in rows:
-        if row.get("impl") == "ours_varlen":
+        if row.get("impl", "").startswith("ours_varlen") and row["status"] == bc.STATUS_OK:
             dense = next((r for r in rows if r.get("impl") == "ours_dense_at_mean" and r["causal"] == row["causal"]
                           and r["mode"] == row["mode"] and r["status"] == bc.STATUS_OK), None)
             if dense is not None:
