@@ -136,14 +136,6 @@ class AttentionCase:
         """Whether the op itself accepts the case (flash_attn_func pads other head dims)."""
         return self.head_dim % 8 == 0
 
-    @staticmethod
-    def _poison_unused_rows(t: torch.Tensor, lengths, used, dense: bool) -> None:
-        start = 0
-        for b, (length, count) in enumerate(zip(lengths, used)):
-            rows = t[b, count:] if dense else t[start + count:start + length]
-            rows.fill_(float("nan"))
-            start += length
-
     def make(self, dtype: torch.dtype = torch.float32, device="cpu", requires_grad: bool = False,
              seed: int = 0) -> AttentionInputs:
         gen = torch.Generator().manual_seed(seed)
@@ -283,6 +275,16 @@ EMPTY_CASES = [
 ]
 
 
+def poison_unused_rows(t: torch.Tensor, lengths, used, dense: bool) -> None:
+    """NaN in the rows of each sequence past its `used` ones (a varlen tensor's rows in order,
+    or a dense one's per batch entry)."""
+    start = 0
+    for b, (length, count) in enumerate(zip(lengths, used)):
+        rows = t[b, count:] if dense else t[start + count:start + length]
+        rows.fill_(float("nan"))
+        start += length
+
+
 @dataclass(frozen=True)
 class VarlenCase:
     """A batch of sequences of different lengths in flash_attn_varlen_func's layout:
@@ -331,14 +333,6 @@ class VarlenCase:
         """The rows of each sequence that count: seqused where given, else all."""
         return self.seqused_q or self.seqlens_q, self.seqused_k or self.seqlens_k
 
-    @staticmethod
-    def _poison_unused_rows(t: torch.Tensor, lengths, used, dense: bool) -> None:
-        start = 0
-        for b, (length, count) in enumerate(zip(lengths, used)):
-            rows = t[b, count:] if dense else t[start + count:start + length]
-            rows.fill_(float("nan"))
-            start += length
-
     def make(self, dtype: torch.dtype = torch.float32, device="cpu", requires_grad: bool = False,
              seed: int = 0) -> AttentionInputs:
         gen = torch.Generator().manual_seed(seed)
@@ -366,9 +360,9 @@ class VarlenCase:
         # there shows any kernel that reads them into a sum (0 x NaN is NaN).
         used_q, used_k = self.used_lengths()
         for t in (q, dout):
-            self._poison_unused_rows(t, self.seqlens_q, used_q, self.dense_q)
+            poison_unused_rows(t, self.seqlens_q, used_q, self.dense_q)
         for t in (k, v):
-            self._poison_unused_rows(t, self.seqlens_k, used_k, self.dense_k)
+            poison_unused_rows(t, self.seqlens_k, used_k, self.dense_k)
         for t in (q, k, v):
             t.requires_grad_(requires_grad)
         alibi_slopes = make_alibi_slopes(self.alibi, self.batch, h, gen, device)
