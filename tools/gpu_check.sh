@@ -11,7 +11,8 @@
 # MAX_JOBS (default 16),
 # FLASHATTN_CUDA_ARCHS (default 90a: only the GPU's own target, for a quick build),
 # FLASHATTN_HEAD_DIMS (restrict the compiled tiles while iterating),
-# PYTEST_ARGS (extra pytest arguments, e.g. "-k d128"),
+# PYTEST_ARGS (extra pytest arguments, e.g. "-k d128"), TEST_FILES (the tests stage's files,
+# default every tests/test_*cuda*.py),
 # PROFILE_KERNEL, PROFILE_ARGS (the profile stage: a regex of the kernel's name, default the
 # Hopper backward; tools/profile_case.py's arguments, default d 128, N 8192).
 set -uo pipefail
@@ -76,8 +77,10 @@ except RuntimeError as e:
       # from /tmp, as CI runs them (pytest from outside the source root).
       # The files run side by side (the GPU has room for both; nothing here is timed).
       # At the time limit pytest gets SIGINT, which still prints the failures so far (a plain
-      # kill lost the messages of 15 failures once).
-      for test_file in "$ROOT"/tests/test_*cuda*.py; do
+      # kill lost the messages of 15 failures once). TEST_FILES (paths from the repository root)
+      # runs those files instead, their GPU-marked cases.
+      for test_file in ${TEST_FILES:-tests/test_*cuda*.py}; do
+        test_file="$ROOT/${test_file#"$ROOT"/}"
         run_stage "gpu_$(basename "$test_file" .py)" in_dir /tmp timeout -s INT -k 30 "${TEST_TIMEOUT_S:-400}" \
           "$PY" -m pytest -q -rfE --tb=line --maxfail=40 -p no:cacheprovider -m gpu ${PYTEST_ARGS:-} \
           "$test_file" > "$WORK/stage_$(basename "$test_file" .py).txt" &
