@@ -16,6 +16,7 @@ Each peer's forward output is compared with ours before it is timed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import sys
@@ -72,17 +73,14 @@ def _varlen_inputs(lengths, nheads, head_dim, dtype, device, gen):
     total = sum(lengths)
     t = bc.make_attention_inputs("bshd", 1, total, total, nheads, nheads, head_dim, dtype, device, gen)
     cu = torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
-    return SimpleNamespace(**{k: v[0] for k, v in t.items()}, cu=cu, max_len=max(lengths), used=None,
-                           used_rows=None)
+    return SimpleNamespace(**{k: v[0] for k, v in t.items()}, cu=cu, max_len=max(lengths), used=None)
 
 
 def _in_slots(s, lengths, slack):
     """The sequences of varlen inputs s in slots `slack` rows longer, the rows past each one NaN,
     called with seqused_q = seqused_k = lengths; used_rows: the slots' rows that hold s's rows."""
     slots = [n + slack for n in lengths]
-    starts = [0]
-    for n in slots[:-1]:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(slots)][:-1]
     used_rows = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lengths)]).to(s.q.device)
 
     def spread(t):
