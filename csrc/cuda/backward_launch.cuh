@@ -21,16 +21,10 @@ cudaError_t launch_attention_backward(const AttentionBwdParams& params, const De
       params.seqlen_q_rounded % kBackwardQueryRowRounding != 0 ||
       params.seqlen_q_rounded < params.seqlen_q)
     return cudaErrorInvalidValue;
-  using HopperShape = typename Sm90BackwardPlan<kHeadDimTile, kMod>::Shape;
-  if constexpr (!std::is_void_v<HopperShape>) {
-    if (limits.hopper_kernels && HopperShape::kSmemBytes <= limits.max_smem_per_block) {
-      Sm90BackwardArgs args;
-      if (make_backward_sm90_args<Element, HopperShape>(params, &args))
-        return backward::run_backward_passes<Element>(params, stream, [&] {
-          return launch_backward_sm90<Element, HopperShape, kMod>(args, stream);
-        });
-      // else TMA cannot describe an input: the sm_80 kernel runs it.
-    }
+  if constexpr (!std::is_void_v<typename Sm90BackwardPlan<kHeadDimTile, kMod>::Shape>) {
+    cudaError_t result = cudaSuccess;
+    if (limits.hopper_kernels && run_backward_sm90<Element, kHeadDimTile, kMod>(params, limits, stream, &result))
+      return result;
   }
   if (Plans::Large::kSmemBytes <= limits.max_smem_per_block)
     return backward::launch_with_tile<Element, typename Plans::Large, kMod>(params, stream);

@@ -76,6 +76,15 @@ FLASHATTN_HOST_DEVICE constexpr int64_t dq_accum_offset(int64_t row, int col, in
   return ((row / 8) * (width / 8) + col / 8) * 64 + (row % 8) * 8 + col % 8;
 }
 
+// The same tiles with their inside transposed (8 rows of a column contiguous), for the kernel
+// that computes dQᵀ (the Hopper kernel's 80-query blocks): its accumulator pairs are two rows
+// of one column, side by side here. One call's kernels use one orientation; the postprocess
+// reads either (DqAccumTiles).
+FLASHATTN_HOST_DEVICE constexpr int64_t dq_accum_offset_transposed(int64_t row, int col, int width) {
+  return ((row / 8) * (width / 8) + col / 8) * 64 + (col % 8) * 8 + row % 8;
+}
+enum class DqAccumTiles { kRowMajor, kTransposed };
+
 // params must carry the workspace pointers and the geometry of
 // backward_workspace_geometry(params, kHeadDimTile).
 // kMod: backward_score_mod(params).

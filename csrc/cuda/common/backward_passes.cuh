@@ -106,34 +106,44 @@ __global__ void __launch_bounds__(kPrepThreads) attention_backward_preprocess_ke
 }
 
 // ---------------------------------------------------------------------------------------
-// 3. dq = dq_accum · softmax_scale, 8 head dims per thread.
+// 3. dq = dq_accum · softmax_scale, 8 head dims of a row per thread, the 8 threads of a tile's
+// rows side by side: either orientation of the tiles is read in whole 32-byte sectors.
 constexpr int kPostThreads = 256;
 
-template <typename Element>
+template <typename Element, DqAccumTiles kTiles>
 __global__ void __launch_bounds__(kPostThreads) attention_backward_postprocess_kernel(
     const AttentionBwdParams p) {
   wait_for_previous_kernel();  // the main kernel's dQ adds
   const int chunks = p.head_dim / 8;
-  const int64_t total = static_cast<int64_t>(p.batch) * p.nheads_q * p.seqlen_q * chunks;
+  const int row_groups = (p.seqlen_q + 7) / 8;
+  const int64_t total = static_cast<int64_t>(p.batch) * p.nheads_q * row_groups * chunks * 8;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kPostThreads + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * kPostThreads) {
-    const int c = static_cast<int>(idx % chunks);
-    const int64_t r = idx / chunks;
-    const int i = static_cast<int>(r % p.seqlen_q);
-    const int64_t bh = r / p.seqlen_q;
+    const int64_t tile = idx / 8;  // (batch, head, row group, chunk)
+    const int c = static_cast<int>(tile % chunks);
+    const int64_t group = tile / chunks;
+    const int i = static_cast<int>(group % row_groups) * 8 + static_cast<int>(idx % 8);
+    const int64_t bh = group / row_groups;
     const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
     const SequenceInfo seq(p, b);
     if (i >= seq.seqlen_q) continue;
-    const float* src =
-        p.dq_accum + dq_accum_offset(backward_workspace_row(p, seq.q_offset, b, h) + i, c * 8, p.head_dim_rounded);
-    const float4 lo = *reinterpret_cast<const float4*>(src);
-    const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+    const int64_t row = backward_workspace_row(p, seq.q_offset, b, h) + i;
+    float v[8];
+    if constexpr (kTiles == DqAccumTiles::kTransposed) {
+      const float* src = p.dq_accum + dq_accum_offset_transposed(row, c * 8, p.head_dim_rounded);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = src[8 * e];
+    } else {
+      const float* src = p.dq_accum + dq_accum_offset(row, c * 8, p.head_dim_rounded);
+      *reinterpret_cast<float4*>(v) = *reinterpret_cast<const float4*>(src);
+      *reinterpret_cast<float4*>(v + 4) = *reinterpret_cast<const float4*>(src + 4);
+    }
     const float s = p.softmax_scale;
     uint4 packed;
-    packed.x = MmaElement<Element>::pack(lo.x * s, lo.y * s);
-    packed.y = MmaElement<Element>::pack(lo.z * s, lo.w * s);
-    packed.z = MmaElement<Element>::pack(hi.x * s, hi.y * s);
-    packed.w = MmaElement<Element>::pack(hi.z * s, hi.w * s);
+    packed.x = MmaElement<Element>::pack(v[0] * s, v[1] * s);
+    packed.y = MmaElement<Element>::pack(v[2] * s, v[3] * s);
+    packed.z = MmaElement<Element>::pack(v[4] * s, v[5] * s);
+    packed.w = MmaElement<Element>::pack(v[6] * s, v[7] * s);
     Element* dst = seq.q_row(static_cast<Element*>(p.dq), p.dq_strides, b, h, i);
     *reinterpret_cast<uint4*>(dst + c * 8) = packed;
   }
@@ -147,9 +157,10 @@ inline unsigned int grid_stride_blocks(int64_t work_items, int items_per_block) 
 // The passes around any main kernel: zero the semaphores (deterministic), the preprocess (D,
 // lse2, the zeroed dQ workspace), launch_main() (a dependent launch of the main kernel, which
 // waits for the preprocess before it reads D, lse2 or adds to dQ), the postprocess (dq in the
-// output dtype; a dependent launch that waits for the main kernel first).
+// output dtype from the tiles the main kernel adds, in orientation `tiles`; a dependent launch
+// that waits for the main kernel first).
 template <typename Element, typename LaunchMain>
-cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream,
+cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream, DqAccumTiles tiles,
                                 const LaunchMain& launch_main) {
   const int64_t heads = static_cast<int64_t>(p.batch) * p.nheads_q;
   cudaError_t err = cudaSuccess;
@@ -168,9 +179,12 @@ cudaError_t run_backward_passes(const AttentionBwdParams& p, cudaStream_t stream
   err = launch_main();
   if (err != cudaSuccess) return err;
 
-  return launch_on_flat_grid(attention_backward_postprocess_kernel<Element>,
-                             grid_stride_blocks(heads * p.seqlen_q * (p.head_dim / 8), kPostThreads), kPostThreads,
-                             0, stream, p, LaunchOrder::kDependent);
+  const auto postprocess = tiles == DqAccumTiles::kTransposed
+                               ? attention_backward_postprocess_kernel<Element, DqAccumTiles::kTransposed>
+                               : attention_backward_postprocess_kernel<Element, DqAccumTiles::kRowMajor>;
+  const int64_t rows = heads * ((p.seqlen_q + 7) / 8 * 8);
+  return launch_on_flat_grid(postprocess, grid_stride_blocks(rows * (p.head_dim / 8), kPostThreads), kPostThreads, 0,
+                             stream, p, LaunchOrder::kDependent);
 }
 
 }  // namespace backward

@@ -79,8 +79,8 @@ cudaError_t launch_main_kernel(const AttentionBwdParams& p, cudaStream_t stream)
 
 template <typename Element, typename Tile, ScoreMod kMod>
 cudaError_t launch_with_tile(const AttentionBwdParams& p, cudaStream_t stream) {
-  return run_backward_passes<Element>(
-      p, stream, [&] { return launch_main_kernel<Element, Tile, kMod>(p, stream); });
+  return run_backward_passes<Element>(p, stream, DqAccumTiles::kRowMajor,
+                                      [&] { return launch_main_kernel<Element, Tile, kMod>(p, stream); });
 }
 
 }  // namespace backward

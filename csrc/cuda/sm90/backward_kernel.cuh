@@ -10,7 +10,8 @@
 // Two ways to split the work between the consumer warpgroups (Sm90BackwardShape::kSplitHeadDim):
 //
 // By keys (W <= 128): kBlockN = 128, each warpgroup owns 64 keys and all W head-dim columns of
-// their dK, dV. Per query block of kBlockM queries (64; 128 at W = 64), each warpgroup:
+// their dK, dV. Per query block of kBlockM queries (64; 128 at W = 64; 80 at W = 128 without a
+// window), each warpgroup:
 //   Sᵀ  = K Qᵀ,  dPᵀ = V dOᵀ                  (wgmma SS, M = its 64 keys, N = kBlockM, K = head
 //                                              dim; both from shared memory K-major, issued together)
 //   Pᵀ  = exp2(logit(Sᵀ) − lse2),  dSᵀ = Pᵀ ∘ (dPᵀ − D)           (on the accumulators;
@@ -23,7 +24,10 @@
 //   dQ[:, half] = dS K[:, half]               (wgmma SS, M = 64 queries, N = W / 2, K = all
 //                                              kBlockN keys, A = dSᵀ and B = K both MN-major;
 //                                              with 128 queries warpgroup c takes queries
-//                                              64c.. and all W columns: dQ[rows c] = dS[rows c] K)
+//                                              64c.. and all W columns: dQ[rows c] = dS[rows c] K;
+//                                              with 80, dQᵀ[half] = K[:, half]ᵀ dSᵀ, M = the
+//                                              warpgroup's 64 columns, N = 80, the score tile
+//                                              swizzled in 32-byte rows as the MN-major B)
 //   dQ → shared memory (fp32, dq_accum's 8 x 8 tiles), then dQ_accum += dQ by one bulk reduction
 //                                             (cp.reduce.async.bulk .add.f32) that a warp of the
 //                                             producer warpgroup issues, the dQ writer
@@ -67,16 +71,17 @@
 //
 // Tiles (Sm90BackwardShape, chosen in sm90/backward_launch.cuh). What bounds them:
 //  - registers (240 per consumer thread after setmaxnreg): by keys, dK + dV take W (128 at
-//    W = 128), Sᵀ and dPᵀ kBlockM, then Pᵀ, dSᵀ as A fragments kBlockM / 2 and dQ 32; by head
-//    dims, dK + dV take 128, Sᵀ and dPᵀ 32, dQ 64. 128 queries fit at W = 64 only (FA3's d 64
-//    tile: each iteration does twice the products for the same barriers, waits and dQ add).
+//    W = 128), Sᵀ and dPᵀ kBlockM, then Pᵀ, dSᵀ as A fragments kBlockM / 2 and dQ 32 (40 as
+//    dQᵀ of 80 queries); by head dims, dK + dV take 128, Sᵀ and dPᵀ 32, dQ 64. 128 queries fit
+//    at W = 64 only (FA3's d 64 tile: each iteration does twice the products for the same
+//    barriers, waits and dQ add), 80 at W = 128 (FA3's tile without a mask).
 //  - wgmma: M = 64 rows per warpgroup fixes 64 keys per warpgroup product; a score tile is column
 //    blocks of 64 queries (one 128-byte swizzle row per key), one of which is the MN-major A of
-//    a warpgroup's dQ.
+//    a warpgroup's dQ; at 80 queries, column blocks of 16 in 32-byte rows, all of them dQᵀ's B.
 //  - shared memory: K, V (kBlockN x W) + kStages x (Q, dO) (kBlockM x W) + 2 buffers of the score
 //    tiles (dSᵀ; and Pᵀ when split by head dims; kBlockN x kBlockM each) + by keys the fp32 dQ
-//    tile (kBlockM x W): 194 KB at W = 64, 192 KB at W = 128, 224 KB at W = 256 (two stages),
-//    within the 227 KB of sm_90.
+//    tile (kBlockM x W): 194 KB at W = 64, 192 KB at W = 128 (226 KB with 80 queries), 224 KB
+//    at W = 256 (two stages), within the 227 KB of sm_90.
 //
 // Deterministic dQ: the adds of a (batch, head, query block) follow one order of key blocks, kept
 // by a semaphore per query block (dq_add_turn, dq_adds_last_key_block_first in
@@ -121,9 +126,14 @@ struct Sm90BackwardShape {
   static constexpr int kQueriesPerWarpgroup = kSplitHeadDim ? kBlockM / 2 : kBlockM;  // N of Sᵀ, dPᵀ
   static constexpr int kAccColumns = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;       // dK, dV columns
   // dQ split between the warpgroups by head-dim halves, or with 128 queries by query rows
-  // (warpgroup c: queries 64c.., all W columns; FA3's d 64 tile).
+  // (warpgroup c: queries 64c.., all W columns; FA3's d 64 tile). kBlockM not a multiple of
+  // wgmma's M = 64 (80, FA3's d 128 tile without a mask) computes dQᵀ = Kᵀ dSᵀ instead: the
+  // warpgroup's 64 head-dim columns as M, the queries as N.
   static constexpr bool kDqSplitByRows = !kSplitHeadDim && kBlockM == 64 * kConsumerWarpgroups;
+  static constexpr bool kDqTransposed = !kSplitHeadDim && kBlockM % 64 != 0;
   static constexpr int kDqColumns = kDqSplitByRows ? kHeadDim : kHeadDim / kConsumerWarpgroups;
+  static constexpr int kDqN = kDqTransposed ? kBlockM : kDqColumns;  // N of the dQ product
+  static constexpr DqAccumTiles kDqTiles = kDqTransposed ? DqAccumTiles::kTransposed : DqAccumTiles::kRowMajor;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
@@ -133,7 +143,13 @@ struct Sm90BackwardShape {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kScoreBytes = kBlockN * kBlockM * 2;  // one score tile: key rows, query columns
   static constexpr int kScoreTiles = kSplitHeadDim ? 2 : 1;  // dSᵀ (and Pᵀ), per buffer
+  // The score tile's swizzle rows: 128 bytes (column blocks of 64 queries) where kBlockM is a
+  // multiple of 64, else 32 (column blocks of 16: a fifth block of 64 would take 16 KB more).
+  static constexpr int kScoreRowBytes = kBlockM % 64 == 0 ? 128 : 32;
   static constexpr int kRowStatBytes = kBlockM * 4;          // lse2 or D of one query block
+  // Query blocks that do not divide the workspace's 128-row padding read lse2 and D only of
+  // the sequence's rows (the last block would read past the workspace).
+  static constexpr bool kBoundedRowStats = kBackwardQueryRowRounding % kBlockM != 0;
   // Byte offsets from the 1024-byte aligned base; the tiles come first so each stays aligned.
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKVBytes;
@@ -157,12 +173,15 @@ struct Sm90BackwardShape {
       sm90::consumer_registers(kProducerRegisters, kConsumerWarpgroups, /*blocks_per_sm=*/1);
   static_assert(kHeadDim % sm90::kSwizzleElements == 0, "head-dim tile is whole 64-column blocks");
   static_assert(kAccColumns % sm90::kSwizzleElements == 0, "a warpgroup's dK, dV columns are whole column blocks");
-  static_assert(kBlockM == sm90::kSwizzleElements || kDqSplitByRows,
+  static_assert(kBlockM == sm90::kSwizzleElements || kDqSplitByRows || kDqTransposed,
                 "a warpgroup's dQ reads one column block of 64 queries of the score tile (the MN-major A)");
+  static_assert(!kDqTransposed || (kDqColumns == 64 && kBlockM % 16 == 0 && kBlockM <= 256),
+                "dQᵀ: M = the warpgroup's 64 head-dim columns, N = the queries in wgmma's steps of 8 (k16 of dV, dK)");
   static_assert(kBlockN == kKeysPerWarpgroup * (kSplitHeadDim ? 1 : kConsumerWarpgroups), "key ownership");
-  static_assert(kBackwardQueryRowRounding % kBlockM == 0, "lse2 / D reads of a block stay in the workspace");
   static_assert(2 * kBlockM <= kConsumerThreads, "one consumer thread per lse2 or D value");
   static_assert(kOffDq % 16 == 0, "bulk adds read 16-byte aligned shared memory");
+  static_assert(kOffScores % 1024 == 0 && kScoreBytes % 1024 == 0, "score tiles start on a swizzle pattern");
+  static_assert(kDqThroughSharedMemory || !kDqTransposed, "dQᵀ is added through the transposed tile");
   static_assert(kSmemBytes <= 227 * 1024, "fits the shared memory of an sm_90 block");
   static_assert(kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters <=
                     (1 + kConsumerWarpgroups) * sm90::launch_registers(1 + kConsumerWarpgroups, 1),
@@ -224,26 +243,28 @@ __device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2]
 }
 
 // This lane's pair (j, half) of a warp's 16 key rows x queries in a swizzled score tile: column
-// blocks of 64 queries, each kKeyRows rows of 128 bytes. From query column 8 * chunk0, the
-// 16-byte chunk c of row r sits in column block c / 8 at chunk (c % 8) ^ (r % 8), and r % 8 = g
-// for both of this lane's rows.
-template <int kKeyRows>
+// blocks of kRowBytes / 2 queries, each kKeyRows rows of kRowBytes. From query column 8 * chunk0,
+// the 16-byte chunk c of row r sits in column block c / n (n = kRowBytes / 16 chunks per row) at
+// chunk (c % n) ^ ((r * kRowBytes / 128) % n), the swizzle XOR-ing address bits 7.. into the
+// chunk's; for this lane's rows (key_row0 a multiple of 8) that is g * kRowBytes / 128.
+template <int kKeyRows, int kRowBytes>
 __device__ __forceinline__ uint32_t* score_tile_pair(unsigned char* tile, int key_row0, int chunk0, int j, int half,
                                                      int g, int t) {
+  constexpr int kChunks = kRowBytes / 16;
   const int row = key_row0 + g + 8 * half, chunk = chunk0 + j;
-  return reinterpret_cast<uint32_t*>(tile + ((chunk / 8) * kKeyRows + row) * sm90::kSwizzleBytes +
-                                     (((chunk % 8) ^ g) * 16) + 4 * t);
+  return reinterpret_cast<uint32_t*>(tile + ((chunk / kChunks) * kKeyRows + row) * kRowBytes +
+                                     (((chunk % kChunks) ^ (g * kRowBytes / 128)) * 16) + 4 * t);
 }
 
 // A warp's 16 key rows x kColumns queries of accumulator values into a swizzled score tile.
-template <typename Element, int kColumns, int kKeyRows>
+template <typename Element, int kColumns, int kKeyRows, int kRowBytes>
 __device__ __forceinline__ void store_score_tile(unsigned char* tile, const float (&v)[kColumns / 2], int key_row0,
                                                  int chunk0, int g, int t) {
 #pragma unroll
   for (int j = 0; j < kColumns / 8; ++j)
 #pragma unroll
     for (int half = 0; half < 2; ++half)
-      *score_tile_pair<kKeyRows>(tile, key_row0, chunk0, j, half, g, t) =
+      *score_tile_pair<kKeyRows, kRowBytes>(tile, key_row0, chunk0, j, half, g, t) =
           MmaElement<Element>::pack(v[4 * j + 2 * half], v[4 * j + 2 * half + 1]);
 }
 
@@ -485,6 +506,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int stat_index = threadIdx.x - 128;
   const auto fetch_row_stat = [&](int it) {
     const int64_t row = workspace_sequence + head_of(it) * p.workspace_head_stride + query_block_start(it);
+    if (Shape::kBoundedRowStats && query_block_start(it) + stat_index % BM >= seq.seqlen_q)
+      return stat_index < BM ? INFINITY : 0.f;  // what the preprocess writes to the padding
     return stat_index < BM ? __ldg(p.lse_log2 + row + stat_index) : __ldg(p.softmax_d + row + stat_index - BM);
   };
   float* const row_stat_buffers = reinterpret_cast<float*>(base_ptr + Shape::kOffLse);  // [lse2 x 2][D x 2]
@@ -540,6 +563,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     KeepBits keep_bits = 0;
     if constexpr (has_dropout(kMod)) {
       constexpr int kDrawColumns = NQ < 64 ? NQ : 64;  // one call's 32 bits
+      static_assert(NQ % kDrawColumns == 0, "whole draws of the warpgroup's queries");
 #pragma unroll
       for (int part = 0; part < NQ / kDrawColumns; ++part)
         keep_bits |= KeepBits(DropoutMask(p, b, h).transposed_keep_bits<kDrawColumns>(
@@ -556,7 +580,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     float key_distance[2];
     // The dS tile of this iteration's buffer, free since the previous iteration's barrier.
     const auto tanh_derivative = [&](int j, int half) {
-      return backward::score_tile_pair<BN>(base_ptr + score_offset(buf, 0), key_row0, wg_query0 / 8, j, half, g, t);
+      return backward::score_tile_pair<BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 0), key_row0,
+                                                                  wg_query0 / 8, j, half, g, t);
     };
     if constexpr (ScoreTransform<kMod>::kUsesDistance) {
 #pragma unroll
@@ -613,9 +638,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                                          mn_major_descriptor(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
       sm90::wgmma_commit();
     } else {
-      backward::store_score_tile<Element, NQ, BN>(base_ptr + score_offset(buf, 1), s, key_row0, wg_query0 / 8, g, t);
+      backward::store_score_tile<Element, NQ, BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 1), s, key_row0,
+                                                                         wg_query0 / 8, g, t);
     }
-    backward::store_score_tile<Element, NQ, BN>(base_ptr + score_offset(buf, 0), dp, key_row0, wg_query0 / 8, g, t);
+    backward::store_score_tile<Element, NQ, BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 0), dp, key_row0,
+                                                                       wg_query0 / 8, g, t);
     if (prefetch) store_row_stat(it + 1, next_row_stat);
     sm90::fence_shared_to_async_proxy();
     sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
@@ -639,13 +666,19 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::wgmma_commit();
     }
 
-    float dq[Shape::kDqColumns / 2];
+    float dq[Shape::kDqN / 2];
     sm90::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      Wgmma<Element, Shape::kDqColumns>::ss_ab_mn_major(
-          dq, mn_major_descriptor(ds_tile + (dq_query0 / 64 * BN + kk * 16) * sm90::kSwizzleBytes, BN),
-          mn_major_descriptor(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN), kk > 0);
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      constexpr int kScoreRow = Shape::kScoreRowBytes;
+      const uint64_t ds_operand = mn_major_descriptor<kScoreRow>(
+          ds_tile + (dq_query0 / (kScoreRow / 2) * BN + kk * 16) * kScoreRow, BN);
+      const uint64_t k_operand = mn_major_descriptor(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN);
+      if constexpr (Shape::kDqTransposed)
+        Wgmma<Element, Shape::kDqN>::ss_ab_mn_major(dq, k_operand, ds_operand, kk > 0);  // dQᵀ = Kᵀ dSᵀ
+      else
+        Wgmma<Element, Shape::kDqN>::ss_ab_mn_major(dq, ds_operand, k_operand, kk > 0);  // dQ = dS K
+    }
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     sm90::fence_registers(dq);
@@ -658,16 +691,20 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     // group of 8 rows (which land in the sequence's padded workspace rows). Columns past head_dim
     // add zeros to the padding of dq_accum, which nothing reads. This lane's first dQ element in
     // a tile, the rest at compile-time offsets from it:
-    const int dq_lane = dq_accum_offset(dq_query0 + warp_row + g, dq_col0 + 2 * t, W);
+    const int dq_lane = Shape::kDqTransposed ? dq_accum_offset_transposed(2 * t, dq_col0 + warp_row + g, W)
+                                             : dq_accum_offset(dq_query0 + warp_row + g, dq_col0 + 2 * t, W);
     if constexpr (Shape::kDqThroughSharedMemory) {
       // The tile is free once the writer's adds of the previous iteration have read it.
       if (it > 0) sm90::named_barrier_sync(sm90::kDqEmptyBarrier, kDqBarrierThreads);
       float* const dq_tile = reinterpret_cast<float*>(base_ptr + Shape::kOffDq) + dq_lane;
+      // Accumulator rows g, g + 8 (half), columns 8j + 2t, + 1: queries x head dims, or by dQᵀ
+      // head dims x queries, whose pair is then two rows of a transposed tile.
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int j = 0; j < Shape::kDqColumns / 8; ++j)
-          *reinterpret_cast<float2*>(dq_tile + dq_accum_offset(8 * half, 8 * j, W)) =
+        for (int j = 0; j < Shape::kDqN / 8; ++j)
+          *reinterpret_cast<float2*>(dq_tile + (Shape::kDqTransposed ? dq_accum_offset_transposed(8 * j, 8 * half, W)
+                                                                     : dq_accum_offset(8 * half, 8 * j, W))) =
               make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
       sm90::fence_shared_to_async_proxy();
       sm90::named_barrier_arrive(sm90::kDqFullBarrier, kDqBarrierThreads);

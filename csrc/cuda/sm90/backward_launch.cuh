@@ -10,6 +10,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
 
 #include "cuda/sm90/backward_kernel.cuh"
 #include "cuda/common/kernel_launch.cuh"
@@ -27,22 +28,32 @@ namespace flashattn {
 //  - softcap with ALiBi or dropout at W = 64: 128 queries spill there (4-100 bytes), so those
 //    variants take 64. Dropout alone keeps 128 and spills 4 bytes (one word stored and loaded
 //    per iteration; 0 before the tail zeroers, whose code moved ptxas's allocation).
+//  - W = 128 without a window (UnmaskedShape; the mask only the sequences' ends) and without a
+//    score modifier takes 80 queries (FA3's and FA4's tile there): each wgmma that reads both
+//    operands from shared memory (Sᵀ, dPᵀ, dQ) moves 10 % fewer bytes per product, and they are
+//    what bounds the loop by shared-memory bandwidth (at 64 queries they need the full 128 bytes
+//    per cycle an SM has); the barriers and waits of an iteration serve 25 % more products.
+//    Causal and local calls keep 64 (FA3's choice: more of their blocks are cut by the mask).
 template <int W, ScoreMod kMod>
 struct Sm90BackwardPlan {
   using Shape = void;
+  using UnmaskedShape = void;
 };
 template <ScoreMod kMod>
 struct Sm90BackwardPlan<64, kMod> {
   static constexpr bool kSpillsAt128 = has_softcap(kMod) && kMod != ScoreMod::kSoftcap;
   using Shape = Sm90BackwardShape<64, false, 2, kSpillsAt128 ? 64 : 128>;
+  using UnmaskedShape = Shape;
 };
 template <ScoreMod kMod>
 struct Sm90BackwardPlan<128, kMod> {
   using Shape = Sm90BackwardShape<128, false>;
+  using UnmaskedShape = std::conditional_t<kMod == ScoreMod::kNone, Sm90BackwardShape<128, false, 2, 80>, Shape>;
 };
 template <ScoreMod kMod>
 struct Sm90BackwardPlan<256, kMod> {
   using Shape = Sm90BackwardShape<256, true>;
+  using UnmaskedShape = Shape;
 };
 
 // Fills the kernel's arguments; false where TMA cannot describe an input (a stride or a base
@@ -66,6 +77,27 @@ cudaError_t launch_backward_sm90(const Sm90BackwardArgs& args, cudaStream_t stre
   return launch_on_flat_grid(attention_backward_sm90_kernel<Element, Shape, kMod>,
                              BackwardBlock::grid_blocks(args.params, Shape::kBlockN), Shape::kThreads,
                              Shape::kSmemBytes, stream, args, LaunchOrder::kDependent);
+}
+
+// The whole backward with the Hopper main kernel of the plan's shape for this call; false (and
+// nothing launched) where the block's shared memory is not there or TMA cannot describe an
+// input, and the caller runs the sm_80 kernel instead.
+template <typename Element, int W, ScoreMod kMod>
+bool run_backward_sm90(const AttentionBwdParams& params, const DeviceLimits& limits, cudaStream_t stream,
+                       cudaError_t* result) {
+  using Plan = Sm90BackwardPlan<W, kMod>;
+  const auto run = [&](auto shape) {
+    using Shape = decltype(shape);
+    Sm90BackwardArgs args;
+    if (Shape::kSmemBytes > limits.max_smem_per_block || !make_backward_sm90_args<Element, Shape>(params, &args))
+      return false;
+    *result = backward::run_backward_passes<Element>(params, stream, Shape::kDqTiles, [&] {
+      return launch_backward_sm90<Element, Shape, kMod>(args, stream);
+    });
+    return true;
+  };
+  const bool windowed = params.window_left >= 0 || params.window_right >= 0;
+  return windowed ? run(typename Plan::Shape{}) : run(typename Plan::UnmaskedShape{});
 }
 
 }  // namespace flashattn

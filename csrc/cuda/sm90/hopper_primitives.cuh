@@ -164,23 +164,27 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
 }
 
-// wgmma shared-memory matrix descriptor for a 128-byte-swizzled operand.
+// wgmma shared-memory matrix descriptor for an operand swizzled in rows of kRowBytes (128,
+// the tiles TMA writes; 32, the backward's score tile of 80 queries, in column blocks of 16).
 // lbo / sbo: the leading- and stride-dimension byte offsets (PTX ISA, "Matrix
 // Descriptor Format"); for K-major operands the stride is between 8-row atoms
 // and the leading offset is unused, for MN-major ones the leading offset steps
-// between 64-element column blocks and the stride between 8-row atoms.
+// between column blocks and the stride between 8-row atoms.
+template <int kRowBytes = kSwizzleBytes>
 __device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t smem_addr, uint32_t lbo_bytes,
                                                         uint32_t sbo_bytes) {
+  static_assert(kRowBytes == 128 || kRowBytes == 64 || kRowBytes == 32, "wgmma's swizzle widths");
+  constexpr uint64_t kMode = kRowBytes == 128 ? 1 : kRowBytes == 64 ? 2 : 3;
   return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
-         (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t(1) << 62);
+         (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (kMode << 62);
 }
 
 // The two layouts the kernels' operands take. K-major (the contraction dimension
 // contiguous, e.g. Q and K in S = Q K^T): a k16 step moves 32 bytes inside a 128-byte
 // row, four steps make one column block (k_major_step gives the byte offset).
 // MN-major (e.g. V as the B of P V): a k16 step is 16 rows, the column blocks of a
-// tile of `rows` rows lie rows * 128 bytes apart.
+// tile of `rows` rows lie rows * kRowBytes apart.
 __device__ __forceinline__ uint32_t k_major_step(int ks, int rows) {
   return (ks / 4) * rows * kSwizzleBytes + (ks % 4) * 32;
 }
@@ -189,8 +193,9 @@ __device__ __forceinline__ uint64_t k_major_descriptor(uint32_t smem_addr) {
   return swizzled_descriptor(smem_addr, 16, kSwizzleAtomBytes);
 }
 
+template <int kRowBytes = kSwizzleBytes>
 __device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t smem_addr, int rows) {
-  return swizzled_descriptor(smem_addr, rows * kSwizzleBytes, kSwizzleAtomBytes);
+  return swizzled_descriptor<kRowBytes>(smem_addr, rows * kRowBytes, 8 * kRowBytes);
 }
 
 // An operand's descriptor built once per tile; at(offset) is the descriptor of the operand
