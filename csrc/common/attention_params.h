@@ -85,7 +85,7 @@ struct AttentionBwdParams : AttentionFwdParams {
 
   // fp32 workspaces, owned by the caller, laid out by the backward kernel's launch layer.
   // Rows as backward_workspace_row (backward_launch.h) lays them out.
-  float* dq_accum;   // (rows, head_dim_rounded) in 8 x 8 tiles (dq_accum_offset), zeroed first
+  float* dq_accum;   // (rows, head_dim_rounded) in 8 x 8 tiles (dq_accum_offset or _transposed), zeroed first
   float* softmax_d;  // (rows): D = rowsum(dout * out)
   float* lse_log2;   // (rows): lse * log2(e), +inf for rows that see no key and padding
   int* dq_semaphore; // deterministic mode: one turn counter per (batch, head, query block)

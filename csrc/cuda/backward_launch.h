@@ -14,7 +14,7 @@
 namespace flashattn {
 
 // What the caller allocates (fp32 / int32, all uninitialised; the launch zeroes what it needs):
-//   dq_accum  (workspace_rows, head_dim_rounded) in 8 x 8 tiles (dq_accum_offset)
+//   dq_accum  (workspace_rows, head_dim_rounded) in 8 x 8 tiles (dq_accum_offset, or _transposed: DqAccumTiles)
 //   softmax_d, lse_log2  (workspace_rows)
 //   dq_semaphore  batch * nheads_q * semaphores_per_head, only when deterministic
 // Dense q: rows are (batch, nheads_q, seqlen_q_rounded). Variable-length q: (nheads_q, rows_q
