@@ -17,9 +17,9 @@
 //   Pᵀ  = exp2(logit(Sᵀ) − lse2),  dSᵀ = Pᵀ ∘ (dPᵀ − D)           (on the accumulators;
 //                                              logit: score_transform.cuh; with softcap
 //                                              dSᵀ also ∘ (1 − t²))
-//   dV += Pᵀ dO,  dK += dSᵀ Q                 (wgmma RS: Pᵀ, dSᵀ from registers, the
-//                                              accumulator layout being the A fragment; dO, Q
-//                                              MN-major from shared memory)
+//   dV += Pᵀ dO                               (wgmma RS: Pᵀ from registers, the accumulator
+//                                              layout being the A fragment; dO MN-major from
+//                                              shared memory)
 //   dSᵀ → shared memory, then, after both warpgroups wrote theirs (named barrier):
 //   dQ[:, half] = dS K[:, half]               (wgmma SS, M = 64 queries, N = W / 2, K = all
 //                                              kBlockN keys, A = dSᵀ and B = K both MN-major;
@@ -28,6 +28,8 @@
 //                                              with 80, dQᵀ[half] = K[:, half]ᵀ dSᵀ, M = the
 //                                              warpgroup's 64 columns, N = 80, the score tile
 //                                              swizzled in 32-byte rows as the MN-major B)
+//   dK += dSᵀ Q                               (wgmma RS as dV's; issued after dQ, it runs while
+//                                              dQ is stored: issue_dk)
 //   dQ → shared memory (fp32, dq_accum's 8 x 8 tiles), then dQ_accum += dQ by one bulk reduction
 //                                             (cp.reduce.async.bulk .add.f32) that a warp of the
 //                                             producer warpgroup issues, the dQ writer
@@ -37,10 +39,10 @@
 // the head-dim columns of dK, dV (128 registers). Per query block, warpgroup c:
 //   Sᵀ, dPᵀ for the 64 keys x its 32 queries  (wgmma SS, N = 32)
 //   Pᵀ, dSᵀ of its 32 queries → shared memory; named barrier; then over all 64 queries:
-//   dV[:, half c] += Pᵀ dO[:, half c],  dK[:, half c] += dSᵀ Q[:, half c]
-//                                             (wgmma SS: A = Pᵀ / dSᵀ K-major, B MN-major)
+//   dV[:, half c] += Pᵀ dO[:, half c]         (wgmma SS: A = Pᵀ K-major, B MN-major)
 //   dQ[:, half c] = dS K[:, half c]           (as above, K = the 64 keys; added to dQ_accum by
 //                                             fp32 red.global.add.v2: no room for a dQ tile)
+//   dK[:, half c] += dSᵀ Q[:, half c]         (as dV's, issued after dQ: it runs under the adds)
 //
 // Splitting dQ by head-dim halves between the warpgroups, rather than by keys, adds each
 // element to the workspace once per key block instead of twice, and keeps the dQ accumulator at
@@ -114,7 +116,7 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, bool kSplitHeadDim_, int kStages_ = 2, int kBlockM_ = 64>
+template <int kHeadDim_, bool kSplitHeadDim_, int kStages_ = 2, int kBlockM_ = 64, bool kDkAfterDq_ = true>
 struct Sm90BackwardShape {
   static constexpr int kHeadDim = kHeadDim_;  // the head-dim tile W
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
@@ -133,6 +135,9 @@ struct Sm90BackwardShape {
   static constexpr bool kDqTransposed = !kSplitHeadDim && kBlockM % 64 != 0;
   static constexpr int kDqColumns = kDqSplitByRows ? kHeadDim : kHeadDim / kConsumerWarpgroups;
   static constexpr int kDqN = kDqTransposed ? kBlockM : kDqColumns;  // N of the dQ product
+  // dK's product issued after dQ's rather than beside dV's (the kernel's issue_dk says why); by
+  // keys it holds dSᵀ's fragments through the dQ product, which some variants lack registers for.
+  static constexpr bool kDkAfterDq = kDkAfterDq_;
   static constexpr DqAccumTiles kDqTiles = kDqTransposed ? DqAccumTiles::kTransposed : DqAccumTiles::kRowMajor;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -182,6 +187,7 @@ struct Sm90BackwardShape {
   static_assert(kOffDq % 16 == 0, "bulk adds read 16-byte aligned shared memory");
   static_assert(kOffScores % 1024 == 0 && kScoreBytes % 1024 == 0, "score tiles start on a swizzle pattern");
   static_assert(kDqThroughSharedMemory || !kDqTransposed, "dQᵀ is added through the transposed tile");
+  static_assert(kDkAfterDq || !kSplitHeadDim, "by head dims dK reads dSᵀ from shared memory, written before the barrier");
   static_assert(kSmemBytes <= 227 * 1024, "fits the shared memory of an sm_90 block");
   static_assert(kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters <=
                     (1 + kConsumerWarpgroups) * sm90::launch_registers(1 + kConsumerWarpgroups, 1),
@@ -266,6 +272,17 @@ __device__ __forceinline__ void store_score_tile(unsigned char* tile, const floa
     for (int half = 0; half < 2; ++half)
       *score_tile_pair<kKeyRows, kRowBytes>(tile, key_row0, chunk0, j, half, g, t) =
           MmaElement<Element>::pack(v[4 * j + 2 * half], v[4 * j + 2 * half + 1]);
+}
+
+// The same from the A fragments of the k16 steps (fragment[kk][r]: pair (2kk + r / 2, r % 2)).
+template <int kColumns, int kKeyRows, int kRowBytes>
+__device__ __forceinline__ void store_score_fragments(unsigned char* tile, const uint32_t (&fragment)[kColumns / 16][4],
+                                                      int key_row0, int chunk0, int g, int t) {
+#pragma unroll
+  for (int kk = 0; kk < kColumns / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      *score_tile_pair<kKeyRows, kRowBytes>(tile, key_row0, chunk0, 2 * kk + (r >> 1), r & 1, g, t) = fragment[kk][r];
 }
 
 // Zeroes rows [row_begin, kRows) of two tiles that tma_load_tile filled (each column block
@@ -614,9 +631,27 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       }
     }
 
+    // dK += dSᵀ Q. Where registers allow (Shape::kDkAfterDq) it is issued after dQ, so that it runs
+    // while dQ goes out (the shared-memory tile or the atomics) and the wait for dQ does not wait
+    // for it too; it is retired at the end of the iteration (held into the next one, it made
+    // ptxas serialise every wgmma). Else beside dV, before the barrier.
+    const auto issue_dk = [&](const uint32_t(&ds_fragments)[BM / 16][4]) {
+      sm90::fence_registers(acc_dk);
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        if constexpr (kSplit)
+          Wgmma<Element, NA>::ss_b_mn_major(
+              acc_dk, k_major_descriptor(base + score_offset(buf, 0) + sm90::k_major_step(kk, BN)),
+              mn_major_descriptor(q_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
+        else
+          Wgmma<Element, W>::rs_b_mn_major(acc_dk, ds_fragments[kk],
+                                           mn_major_descriptor(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
+      }
+      sm90::wgmma_commit();
+    };
+    // Pᵀ and dSᵀ as the A fragments of the k16 steps over the queries (by keys).
+    uint32_t pa[BM / 16][4], dsa[BM / 16][4];
     if constexpr (!kSplit) {
-      // Pᵀ and dSᵀ as the A fragments of the k16 steps over the 64 queries.
-      uint32_t pa[BM / 16][4], dsa[BM / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
@@ -626,43 +661,39 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
           dsa[kk][r] = Mma::pack(dp[i], dp[i + 1]);
         }
       sm90::fence_registers(acc_dv);
-      sm90::fence_registers(acc_dk);
       sm90::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
         Wgmma<Element, W>::rs_b_mn_major(acc_dv, pa[kk],
                                          mn_major_descriptor(do_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<Element, W>::rs_b_mn_major(acc_dk, dsa[kk],
-                                         mn_major_descriptor(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
       sm90::wgmma_commit();
+      if constexpr (!Shape::kDkAfterDq) issue_dk(dsa);
     } else {
       backward::store_score_tile<Element, NQ, BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 1), s, key_row0,
                                                                          wg_query0 / 8, g, t);
     }
-    backward::store_score_tile<Element, NQ, BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 0), dp, key_row0,
-                                                                       wg_query0 / 8, g, t);
+    // dSᵀ into its tile: from dK's fragments where dK follows dQ (with the fp32 values as well,
+    // ptxas serialised every wgmma for want of registers), else from the fp32 values (from the
+    // fragments, the W = 64 variants of 128 queries spilled 4-8 bytes).
+    if constexpr (kSplit || !Shape::kDkAfterDq)
+      backward::store_score_tile<Element, NQ, BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 0), dp, key_row0,
+                                                                         wg_query0 / 8, g, t);
+    else
+      backward::store_score_fragments<NQ, BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 0), dsa, key_row0,
+                                                                     wg_query0 / 8, g, t);
     if (prefetch) store_row_stat(it + 1, next_row_stat);
     sm90::fence_shared_to_async_proxy();
     sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
 
     const uint32_t ds_tile = base + score_offset(buf, 0);
     if constexpr (kSplit) {
-      const uint32_t p_tile = base + score_offset(buf, 1);
       sm90::fence_registers(acc_dv);
-      sm90::fence_registers(acc_dk);
       sm90::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
         Wgmma<Element, NA>::ss_b_mn_major(
-            acc_dv, k_major_descriptor(p_tile + sm90::k_major_step(kk, BN)),
+            acc_dv, k_major_descriptor(base + score_offset(buf, 1) + sm90::k_major_step(kk, BN)),
             mn_major_descriptor(do_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<Element, NA>::ss_b_mn_major(
-            acc_dk, k_major_descriptor(ds_tile + sm90::k_major_step(kk, BN)),
-            mn_major_descriptor(q_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
       sm90::wgmma_commit();
     }
 
@@ -680,12 +711,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         Wgmma<Element, Shape::kDqN>::ss_ab_mn_major(dq, ds_operand, k_operand, kk > 0);  // dQ = dS K
     }
     sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
+    if constexpr (Shape::kDkAfterDq) issue_dk(dsa);
+    sm90::wgmma_wait<Shape::kDkAfterDq ? 1 : 0>();  // dV and dQ
     sm90::fence_registers(dq);
     sm90::fence_registers(acc_dv);
-    sm90::fence_registers(acc_dk);
-    __syncwarp();
-    if (lane == 0) sm90::mbarrier_arrive(empty(stage));
 
     // Rows past seqlen_q hold zeros: the atomics skip them, the bulk add all but those of its last
     // group of 8 rows (which land in the sequence's padded workspace rows). Columns past head_dim
@@ -724,6 +753,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       }
       if (p.deterministic) sm90::named_barrier_arrive(sm90::kDqAddedBarrier, kDqBarrierThreads);
     }
+    if constexpr (Shape::kDkAfterDq) {
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_dk);
+    }
+    __syncwarp();
+    if (lane == 0) sm90::mbarrier_arrive(empty(stage));
   }
 
   // dK·scale and dV, straight from the accumulators: rows < seqlen_k, columns < head_dim (a

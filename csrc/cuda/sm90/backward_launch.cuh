@@ -42,7 +42,9 @@ struct Sm90BackwardPlan {
 template <ScoreMod kMod>
 struct Sm90BackwardPlan<64, kMod> {
   static constexpr bool kSpillsAt128 = has_softcap(kMod) && kMod != ScoreMod::kSoftcap;
-  using Shape = Sm90BackwardShape<64, false, 2, kSpillsAt128 ? 64 : 128>;
+  // At 128 queries, dK after dQ spilled (4-44 bytes) with softcap or dropout.
+  static constexpr bool kDkAfterDq = kSpillsAt128 || !(has_softcap(kMod) || has_dropout(kMod));
+  using Shape = Sm90BackwardShape<64, false, 2, kSpillsAt128 ? 64 : 128, kDkAfterDq>;
   using UnmaskedShape = Shape;
 };
 template <ScoreMod kMod>
