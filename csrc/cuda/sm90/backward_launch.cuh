@@ -30,10 +30,10 @@ namespace flashattn {
 //    per iteration; 0 before the tail zeroers, whose code moved ptxas's allocation).
 //  - W = 128 without a window (UnmaskedShape; the mask only the sequences' ends) and without a
 //    score modifier takes 80 queries (FA3's and FA4's tile there): each wgmma that reads both
-//    operands from shared memory (Sᵀ, dPᵀ, dQ) moves 10 % fewer bytes per product, and they are
-//    what bounds the loop by shared-memory bandwidth (at 64 queries they need the full 128 bytes
-//    per cycle an SM has); the barriers and waits of an iteration serve 25 % more products.
-//    Causal and local calls keep 64, as FA3 does (not measured here with 80).
+//    operands from shared memory (Sᵀ, dPᵀ, dQ) moves 10 % fewer bytes per product (at 64 queries
+//    they need the full 128 bytes per cycle an SM has), and the barriers and waits of an
+//    iteration serve 25 % more products. Measured +1-2 % (H100, N 1024-8192): that bandwidth is
+//    not what bounds the loop. Causal and local calls keep 64, as FA3 does (not measured with 80).
 template <int W, ScoreMod kMod>
 struct Sm90BackwardPlan {
   using Shape = void;
