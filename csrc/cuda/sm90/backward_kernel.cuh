@@ -262,19 +262,8 @@ __device__ __forceinline__ uint32_t* score_tile_pair(unsigned char* tile, int ke
                                      (((chunk % kChunks) ^ (g * kRowBytes / 128)) * 16) + 4 * t);
 }
 
-// A warp's 16 key rows x kColumns queries of accumulator values into a swizzled score tile.
-template <typename Element, int kColumns, int kKeyRows, int kRowBytes>
-__device__ __forceinline__ void store_score_tile(unsigned char* tile, const float (&v)[kColumns / 2], int key_row0,
-                                                 int chunk0, int g, int t) {
-#pragma unroll
-  for (int j = 0; j < kColumns / 8; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      *score_tile_pair<kKeyRows, kRowBytes>(tile, key_row0, chunk0, j, half, g, t) =
-          MmaElement<Element>::pack(v[4 * j + 2 * half], v[4 * j + 2 * half + 1]);
-}
-
-// The same from the A fragments of the k16 steps (fragment[kk][r]: pair (2kk + r / 2, r % 2)).
+// A warp's 16 key rows x kColumns queries, as the A fragments of the k16 steps over them
+// (accumulator_as_a: fragment[kk][r] is pair (2kk + r / 2, r % 2)), into a swizzled score tile.
 template <int kColumns, int kKeyRows, int kRowBytes>
 __device__ __forceinline__ void store_score_fragments(unsigned char* tile, const uint32_t (&fragment)[kColumns / 16][4],
                                                       int key_row0, int chunk0, int g, int t) {
@@ -283,6 +272,17 @@ __device__ __forceinline__ void store_score_fragments(unsigned char* tile, const
 #pragma unroll
     for (int r = 0; r < 4; ++r)
       *score_tile_pair<kKeyRows, kRowBytes>(tile, key_row0, chunk0, 2 * kk + (r >> 1), r & 1, g, t) = fragment[kk][r];
+}
+
+// The same from the fp32 accumulator values.
+template <typename Element, int kColumns, int kKeyRows, int kRowBytes>
+__device__ __forceinline__ void store_score_tile(unsigned char* tile, const float (&v)[kColumns / 2], int key_row0,
+                                                 int chunk0, int g, int t) {
+  uint32_t fragment[kColumns / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kColumns / 16; ++kk)
+    accumulator_as_a<Element>(fragment[kk], reinterpret_cast<const float(&)[kColumns / 8][4]>(v), kk);
+  store_score_fragments<kColumns, kKeyRows, kRowBytes>(tile, fragment, key_row0, chunk0, g, t);
 }
 
 // Zeroes rows [row_begin, kRows) of two tiles that tma_load_tile filled (each column block
@@ -653,13 +653,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
     if constexpr (!kSplit) {
 #pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = 8 * kk + 4 * (r >> 1) + 2 * (r & 1);  // n-tile 2kk + r/2, row half r % 2
-          pa[kk][r] = Mma::pack(s[i], s[i + 1]);
-          dsa[kk][r] = Mma::pack(dp[i], dp[i + 1]);
-        }
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        accumulator_as_a<Element>(pa[kk], reinterpret_cast<const float(&)[NQ / 8][4]>(s), kk);
+        accumulator_as_a<Element>(dsa[kk], reinterpret_cast<const float(&)[NQ / 8][4]>(dp), kk);
+      }
       sm90::fence_registers(acc_dv);
       sm90::wgmma_fence();
 #pragma unroll
