@@ -26,8 +26,7 @@ namespace flashattn {
 //    128-byte swizzle columns (192 would be, split by head dims, only as 96 + 96);
 //  - shared memory (two Q/dO stages): 194 KB at W = 64, 192 KB at W = 128, 224 KB at W = 256.
 //  - softcap with ALiBi or dropout at W = 64: 128 queries spill there (4-100 bytes), so those
-//    variants take 64. Dropout alone keeps 128 and spills 4 bytes (one word stored and loaded
-//    per iteration; 0 before the tail zeroers, whose code moved ptxas's allocation).
+//    variants take 64. Dropout alone keeps 128 (no spill with dK beside dV: kDkAfterDq).
 //  - W = 128 without a window (UnmaskedShape; the mask only the sequences' ends) and without a
 //    score modifier takes 80 queries (FA3's and FA4's tile there): each wgmma that reads both
 //    operands from shared memory (Sᵀ, dPᵀ, dQ) moves 10 % fewer bytes per product (at 64 queries
