@@ -8,6 +8,9 @@
 #   git archive <commit> | (mkdir -p .prev_tree && tar x -C .prev_tree)   # here
 #   bash tools/compare_builds.sh .prev_tree [bench_attention.py arguments]  # on the GPU machine
 #
+# A_ENV / B_ENV: environment assignments for the A / B runs only, so that one build can be
+# timed two ways (PREV_TREE the working tree itself, e.g. A_ENV=FLASHATTN_FORWARD_SCHEDULER=static).
+#
 # Output: $OUT/compare/{A,B}{1,2}/attention_speed.csv and the merged table compare.txt.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,12 +30,15 @@ if ! ls "$PREV"/flashattn_ext/_C*.so > /dev/null 2>&1; then
     { tail -20 "$DEST/prev_build.log"; exit 1; }
 fi
 
-run() {  # run <label> <tree>: the tree's own benchmark script and package (PYTHONPATH first)
-  echo "=== $1: $2"
-  (cd "$2" && PYTHONPATH="$2" "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" --out "$DEST/$1" \
+run() {  # run <label> <tree> [VAR=value ...]: the tree's own benchmark script and package (PYTHONPATH first)
+  echo "=== $1: $2 ${*:3}"
+  (cd "$2" && env PYTHONPATH="$2" "${@:3}" "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" --out "$DEST/$1" \
     > "$DEST/$1.log" 2>&1) || { tail -20 "$DEST/$1.log"; return 1; }
 }
-run A1 "$PREV" && run B1 "$ROOT" && run A2 "$PREV" && run B2 "$ROOT" || exit 1
+read -ra A_VARS <<< "${A_ENV:-}"
+read -ra B_VARS <<< "${B_ENV:-}"
+run A1 "$PREV" "${A_VARS[@]}" && run B1 "$ROOT" "${B_VARS[@]}" && run A2 "$PREV" "${A_VARS[@]}" &&
+  run B2 "$ROOT" "${B_VARS[@]}" || exit 1
 
 "$PY" - "$DEST" <<'EOF' | tee "$DEST/compare.txt"
 import csv, statistics, sys, pathlib

@@ -56,7 +56,7 @@ template <typename Shape>
 cudaError_t launch_shape(const AttentionFwdParams& p) {
   if constexpr (kIsSm90Shape<Shape>) {
     bool launched = false;
-    const cudaError_t e = launch_forward_sm90<bf16, Shape, ScoreMod::kNone>(p, 0, &launched);
+    const cudaError_t e = launch_forward_sm90<bf16, Shape, ScoreMod::kNone>(p, DeviceLimits{}, 0, &launched);
     return e == cudaSuccess && !launched ? cudaErrorNotSupported : e;
   } else {
     return launch_forward_with_shape<bf16, Shape, ScoreMod::kNone>(p, 0);

@@ -74,6 +74,10 @@ struct AttentionFwdParams {
   float dropout_scale;         // 1 / (1 - dropout_p), the scale of a kept probability
 
   bool is_bf16;  // else fp16 (CUDA); the CPU backend dispatches on its own
+
+  // The Hopper forward's persistent grid takes its tiles from this counter, zeroed before the
+  // launch (nullptr: one block per tile).
+  int* tile_counter;
 };
 
 struct AttentionBwdParams : AttentionFwdParams {

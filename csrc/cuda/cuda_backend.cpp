@@ -42,6 +42,33 @@ void check_cuda_device(const at::Tensor& q) {
               "got ", major, ".", minor, " for q on ", q.device());
 }
 
+namespace {
+
+void read_forward_scheduler(DeviceLimits* limits) {
+  limits->forward_scheduler = ForwardScheduler::kAuto;
+  limits->persistent_grid_cap = 0;
+  const char* value = std::getenv("FLASHATTN_FORWARD_SCHEDULER");
+  if (value == nullptr || *value == '\0') return;
+  const std::string setting(value);
+  if (setting == "static") {
+    limits->forward_scheduler = ForwardScheduler::kStatic;
+    return;
+  }
+  limits->forward_scheduler = ForwardScheduler::kPersistent;
+  const std::string persistent = "persistent";
+  bool valid = setting == persistent;
+  if (!valid && setting.rfind(persistent + ":", 0) == 0) {
+    const std::string cap = setting.substr(persistent.size() + 1);
+    valid = !cap.empty() && cap.size() <= 9 && cap.find_first_not_of("0123456789") == std::string::npos &&
+            std::stoi(cap) > 0;
+    if (valid) limits->persistent_grid_cap = std::stoi(cap);
+  }
+  TORCH_CHECK(valid, "flashattn_ext: FLASHATTN_FORWARD_SCHEDULER must be unset, static, persistent or "
+              "persistent:N (N > 0 blocks), got '", setting, "'");
+}
+
+}  // namespace
+
 DeviceLimits device_limits(const at::Tensor& q) {
   static std::mutex mutex;
   static std::vector<DeviceLimits> cache;
@@ -72,6 +99,7 @@ DeviceLimits device_limits(const at::Tensor& q) {
   // Read per call, so that one process can time or test both kernel families.
   const char* disable = std::getenv("FLASHATTN_DISABLE_HOPPER_KERNELS");
   if (disable != nullptr && *disable != '\0' && std::string(disable) != "0") limits.hopper_kernels = false;
+  read_forward_scheduler(&limits);
   return limits;
 }
 

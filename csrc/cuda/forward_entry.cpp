@@ -29,7 +29,18 @@ struct ForwardLauncher {
 
 }  // namespace
 
-void run_forward_kernel(const AttentionFwdParams& params, const DeviceLimits& limits, cudaStream_t stream) {
+void run_forward_kernel(const AttentionFwdParams& call_params, const DeviceLimits& limits, cudaStream_t stream) {
+  AttentionFwdParams params = call_params;
+  // The persistent grid's counter, where the Hopper forward may run one (a tile has at least 64
+  // query rows; its launch layer decides with the exact tile). Zeroed on the stream, so that
+  // CUDA-graph replays start from zero too.
+  at::Tensor tile_counter;
+  const int64_t most_tiles = (int64_t{params.seqlen_q} + 63) / 64 * params.batch * params.nheads_q;
+  if (limits.hopper_kernels && limits.forward_scheduler != ForwardScheduler::kStatic &&
+      most_tiles > limits.num_sms) {
+    tile_counter = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
+    params.tile_counter = tile_counter.data_ptr<int>();
+  }
   cudaError_t status = cudaSuccess;
   if (!dispatch_head_dim_tile(params.head_dim, ForwardLauncher{params, limits, stream}, &status))
     fail_head_dim_not_compiled(params.head_dim);

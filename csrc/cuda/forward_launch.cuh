@@ -19,7 +19,7 @@ cudaError_t launch_attention_forward(const AttentionFwdParams& params, const Dev
   if constexpr (!std::is_void_v<HopperShape>) {
     if (limits.hopper_kernels && HopperShape::kSmemBytes <= limits.max_smem_per_block) {
       bool launched = false;
-      const cudaError_t status = launch_forward_sm90<Element, HopperShape, kMod>(params, stream, &launched);
+      const cudaError_t status = launch_forward_sm90<Element, HopperShape, kMod>(params, limits, stream, &launched);
       if (status != cudaSuccess || launched) return status;
       // else TMA cannot describe an input (a stride not a multiple of 16 bytes): the sm_80 kernel runs it.
     }

@@ -1,20 +1,24 @@
-// Which tile a thread block works on (a static grid, flattened into blockIdx.x so that
-// batch x heads past 65535 fits), for the kernels of both families: the forward's query
+// Which tile a thread block works on, for the kernels of both families: the forward's query
 // blocks and the backward's key blocks, with the key / query ranges the mask leaves them.
+// Tiles are numbered in one flat order (so that batch x heads past 65535 fits): a static grid
+// gives block i tile i; the Hopper forward's persistent grid (persistent_forward_blocks) walks
+// the same order with fewer, resident blocks.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/attention_mask.h"
 #include "common/attention_params.h"
 #include "common/sequence_info.h"
+#include "cuda/device_limits.h"
 
 namespace flashattn {
 
-// What one thread block of the forward owns: a block of kBlockM query rows of
-// one (batch, head), and the key blocks [n_block_first, n_block_last] the mask
-// lets those rows see (none when last < first). The grid is sized by the longest
-// sequence; a block past its own sequence's end owns nothing (`empty`).
+// What forward tile `tile` is: a block of kBlockM query rows of one (batch, head), and the
+// key blocks [n_block_first, n_block_last] the mask lets those rows see (none when last <
+// first). The tiles are counted for the longest sequence; a tile past its own sequence's
+// end is `empty`.
 struct ForwardBlock {
   int m_begin, head, batch, kv_head;
   int n_block_first, n_block_last;
@@ -23,35 +27,35 @@ struct ForwardBlock {
   SequenceInfo seq;
   MaskGeometry mask;
 
-  // The grid that the constructor decodes: query blocks x heads x batch.
-  static int64_t grid_blocks(const AttentionFwdParams& params, int kBlockM) {
+  // The tiles that the constructor decodes: query blocks x heads x batch.
+  FLASHATTN_HOST_DEVICE static int64_t grid_blocks(const AttentionFwdParams& params, int kBlockM) {
     return int64_t((params.seqlen_q + kBlockM - 1) / kBlockM) * params.batch * params.nheads_q;
   }
 
-  __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN,
-                                          bool dense = false)
-      : seq(params, decode_batch(params, kBlockM), dense),
+  __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN, bool dense,
+                                          unsigned tile)
+      : seq(params, decode_batch(params, kBlockM, tile), dense),
         mask{seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right} {
     // Flattened grid (one dimension never overflows for batch * heads > 65535):
     // query blocks vary fastest, heaviest (last) blocks first for causal balance.
     const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-    const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
+    const int bh = static_cast<int>(tile / num_m_blocks);
     head = bh % params.nheads_q;
     batch = bh / params.nheads_q;
     kv_head = head / (params.nheads_q / params.nheads_kv);
     // Within a shorter sequence the heaviest block is its own last one, so the
     // order counts down from there and the blocks past its end come last.
     const int seq_m_blocks = (seq.seqlen_q + kBlockM - 1) / kBlockM;
-    const int m_block = seq_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
+    const int m_block = seq_m_blocks - 1 - static_cast<int>(tile % num_m_blocks);
     empty = m_block < 0;
     m_begin = m_block * kBlockM;
     valid_q_rows = seq.seqlen_q - m_begin;
     n_block_first = mask.key_begin(m_begin) / kBlockN;
     n_block_last = (mask.key_end(min(m_begin + kBlockM, seq.seqlen_q)) + kBlockN - 1) / kBlockN - 1;
   }
-  __device__ __forceinline__ static int decode_batch(const AttentionFwdParams& params, int kBlockM) {
+  __device__ __forceinline__ static int decode_batch(const AttentionFwdParams& params, int kBlockM, unsigned tile) {
     const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-    return static_cast<int>(blockIdx.x / num_m_blocks) / params.nheads_q;
+    return static_cast<int>(tile / num_m_blocks) / params.nheads_q;
   }
   template <typename Element>
   __device__ __forceinline__ Element* out_rows(const AttentionFwdParams& params) const {
@@ -61,6 +65,29 @@ struct ForwardBlock {
     return seq.lse_row(params, batch, head, m_begin);
   }
 };
+
+// The blocks of a persistent forward grid, or 0 for the static grid (one block per tile), for
+// tiles of kBlockM x kBlockN and `resident` blocks the SMs hold at once. A persistent block
+// loads its next tile's Q and first K / V while it finishes the last, and skips the launch of
+// a block per tile: that pays where the key loops are short (measured on the H100, d 128:
+// +7 % at N 1024, +14 % causal; nothing at N 8192-16384 without a causal mask, where kAuto
+// keeps the static grid). It needs a tile counter and more tiles than resident blocks.
+inline int64_t persistent_forward_blocks(const AttentionFwdParams& p, const DeviceLimits& limits, int kBlockM,
+                                         int kBlockN, int64_t resident) {
+  if (p.tile_counter == nullptr || limits.forward_scheduler == ForwardScheduler::kStatic) return 0;
+  if (limits.persistent_grid_cap > 0) resident = std::min<int64_t>(resident, limits.persistent_grid_cap);
+  if (ForwardBlock::grid_blocks(p, kBlockM) <= resident) return 0;
+  if (limits.forward_scheduler == ForwardScheduler::kAuto) {
+    // Keys a query row sees on average: a causal mask halves them, a window bounds them.
+    const bool causal = p.window_right == 0 && p.window_left < 0;
+    int64_t keys = causal ? p.seqlen_k / 2 : p.seqlen_k;
+    if (!causal && (p.window_left >= 0 || p.window_right >= 0))
+      keys = std::min<int64_t>(keys, int64_t{p.window_left < 0 ? p.seqlen_k : p.window_left} +
+                                         (p.window_right < 0 ? p.seqlen_k : p.window_right) + 1);
+    if (keys > 32 * int64_t{kBlockN}) return 0;
+  }
+  return resident;
+}
 
 // What one thread block of the backward main kernels owns: the kBlockN keys from n0 of KV
 // head h_kv of batch b (flattened into blockIdx.x, key blocks fastest, so that the blocks

@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t q_smem = smem_address(smem);
 
-  const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN);
+  const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, blockIdx.x);
   if (blk.empty) return;
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
   const SequenceInfo& seq = blk.seq;

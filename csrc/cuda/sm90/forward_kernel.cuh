@@ -1,9 +1,10 @@
 // Forward attention kernel for Hopper (sm_90a): wgmma tensor-core products fed
 // by TMA, with a producer warpgroup and consumer warpgroups (FlashAttention-3 class).
 //
-// Same algorithm and block ownership as sm80/forward_kernel.cuh (one thread block per
-// kBlockM query rows of one (batch, head), key blocks last first, the element
-// mask only on the blocks a boundary cuts), different machinery:
+// Same algorithm and tiles as sm80/forward_kernel.cuh (kBlockM query rows of one (batch,
+// head), key blocks last first, the element mask only on the blocks a boundary cuts; one
+// thread block per tile, or a persistent grid whose blocks take tile after tile), different
+// machinery:
 //  - warpgroup 0 is the producer: one thread issues TMA copies of Q once and of
 //    the K and V blocks into two rings of kStages shared-memory stages, one for K and
 //    one for V, K of block j + 1 before V of block j; the copies complete on "full"
@@ -63,6 +64,9 @@ struct Sm90ForwardShape {
   static constexpr int kBarriers = 1 + 4 * kStages;  // Q full; per stage K full, V full, K empty, V empty
   // + slack to align the tiles to a swizzle atom.
   static constexpr int kSmemBytes = sm90::kSwizzleAtomBytes + kTileBytes + 8 * kBarriers;
+  // What a persistent grid's blocks take beyond kSmemBytes: the Q empty, tile full and tile empty
+  // barriers and the tile word.
+  static constexpr int kSchedulerBytes = 8 * 3 + 8;
   // kBlocksPerSM is what __launch_bounds__ promises ptxas, and it sets the registers each block
   // is launched with, which setmaxnreg shares out (consumer_registers). One consumer warpgroup
   // leaves room for two blocks per SM, so one block's loads and epilogue overlap the other's
@@ -77,7 +81,7 @@ struct Sm90ForwardShape {
   static_assert(kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters <=
                     (1 + kConsumerWarpgroups) * sm90::launch_registers(1 + kConsumerWarpgroups, kBlocksPerSM),
                 "register budget: setmaxnreg shares the block's launch registers");
-  static_assert(kBlocksPerSM * (kSmemBytes + sm90::kReservedSmemPerBlock) <= sm90::kSmemPerSM,
+  static_assert(kBlocksPerSM * (kSmemBytes + kSchedulerBytes + sm90::kReservedSmemPerBlock) <= sm90::kSmemPerSM,
                 "shared memory for kBlocksPerSM blocks");
 };
 
@@ -90,7 +94,11 @@ struct Sm90ForwardArgs {
 
 // kDense: instantiated for calls without per-sequence bounds (SequenceInfo's `dense`);
 // holding those bounds in registers cost the d 64/128 kernels 3-5 % at short sequences.
-template <typename Element, typename Shape, bool kDense, ScoreMod kMod>
+// kPersistent: the grid is as many blocks as the SMs hold at once, each taking its first tile
+// by its index and every next one from params.tile_counter (zeroed before the launch), in the
+// static grid's order; a block's next Q and K blocks then load while it finishes the last tile
+// (else one block per tile: the static grid).
+template <typename Element, typename Shape, bool kDense, ScoreMod kMod, bool kPersistent = false>
 __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     attention_forward_sm90_kernel(const __grid_constant__ Sm90ForwardArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -110,11 +118,18 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
   const auto v_full = [&](int stage) { return barriers + 8 * (1 + kStages + stage); };
   const auto k_empty = [&](int stage) { return barriers + 8 * (1 + 2 * kStages + stage); };
   const auto v_empty = [&](int stage) { return barriers + 8 * (1 + 3 * kStages + stage); };
+  // Persistent grid only (Shape::kSchedulerBytes past the barriers above): Q's stage freed by
+  // the consumers' last S of a tile; the next tile's index handed from the producer thread,
+  // which takes it from the counter, to the consumers, through one word.
+  const uint32_t q_empty = barriers + 8 * Shape::kBarriers;
+  const uint32_t tile_full = q_empty + 8, tile_empty = q_empty + 16, tile_slot = q_empty + 24;
 
-  const ForwardBlock blk(params, kBlockM, kBlockN, kDense);
-  if (blk.empty) return;
-  const SequenceInfo& seq = blk.seq;
-  const int num_blocks = blk.n_block_last - blk.n_block_first + 1;  // <= 0: no visible key
+  const ForwardBlock first_blk(params, kBlockM, kBlockN, kDense, blockIdx.x);
+  if (!kPersistent && first_blk.empty) return;
+  const unsigned num_tiles = kPersistent ? static_cast<unsigned>(ForwardBlock::grid_blocks(params, kBlockM)) : 0;
+  const auto key_blocks = [](const ForwardBlock& blk) {
+    return blk.empty ? 0 : blk.n_block_last - blk.n_block_first + 1;  // <= 0: no visible key
+  };
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -125,37 +140,68 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
       sm90::mbarrier_init(k_empty(st), Shape::kConsumerWarps);
       sm90::mbarrier_init(v_empty(st), Shape::kConsumerWarps);
     }
+    if constexpr (kPersistent) {
+      sm90::mbarrier_init(q_empty, Shape::kConsumerWarps);
+      sm90::mbarrier_init(tile_full, 1);
+      sm90::mbarrier_init(tile_empty, Shape::kConsumerWarps);
+    }
     sm90::mbarrier_init_fence();
   }
   __syncthreads();
 
   if (warpgroup == 0) {
     sm90::warpgroup_registers_shrink<Shape::kProducerRegisters>();
-    if (threadIdx.x == 0 && num_blocks > 0) {
+    if (threadIdx.x == 0 && (kPersistent || key_blocks(first_blk) > 0)) {
       sm90::prefetch_tensor_map(&args.q_map);
       sm90::prefetch_tensor_map(&args.k_map);
       sm90::prefetch_tensor_map(&args.v_map);
       constexpr int kColumnBlocks = Shape::kColumnBlocks;
-      sm90::mbarrier_arrive_expect_bytes(q_full, Shape::kQBytes);
-      sm90::tma_load_tile<kColumnBlocks>(q_smem, &args.q_map, q_full, kBlockM, seq.q_offset + blk.m_begin, blk.head,
-                                         SequenceInfo::q_map_batch(params, blk.batch));
-      const int k_batch = SequenceInfo::k_map_batch(params, blk.batch);
       // K of block it + 1 before V of block it: S_{it+1} is issued before P_it V_it. A stage of K
       // is freed once its S has completed, one of V once its P V has, so K runs ahead of V.
+      // The rings carry on from one tile to the next (a wait on a stage's "empty" barrier before
+      // its first fill passes: the parity asked for is that of the phase before the first).
       sm90::PipelineState<kStages> k_write, v_write;
-      const auto load = [&](sm90::PipelineState<kStages>& write, const auto& tile, const auto& full,
-                            const auto& empty, const CUtensorMap* map, int it) {
-        const int stage = write.index;
-        if (it >= kStages) sm90::mbarrier_wait(empty(stage), write.phase ^ 1);
-        sm90::mbarrier_arrive_expect_bytes(full(stage), Shape::kKVBytes);
-        sm90::tma_load_tile<kColumnBlocks>(tile(stage), map, full(stage), kBlockN,
-                                           seq.k_offset + (blk.n_block_last - it) * kBlockN, blk.kv_head, k_batch);
-        write.advance();
+      uint32_t q_loads = 0;
+      const auto load_tile = [&](const ForwardBlock& blk) {
+        const int num_blocks = key_blocks(blk);
+        if (num_blocks <= 0) return;
+        const SequenceInfo& seq = blk.seq;
+        if (kPersistent && q_loads > 0) sm90::mbarrier_wait(q_empty, (q_loads - 1) & 1);
+        ++q_loads;
+        sm90::mbarrier_arrive_expect_bytes(q_full, Shape::kQBytes);
+        sm90::tma_load_tile<kColumnBlocks>(q_smem, &args.q_map, q_full, kBlockM, seq.q_offset + blk.m_begin, blk.head,
+                                           SequenceInfo::q_map_batch(params, blk.batch));
+        const int k_batch = SequenceInfo::k_map_batch(params, blk.batch);
+        const auto load = [&](sm90::PipelineState<kStages>& write, const auto& tile, const auto& full,
+                              const auto& empty, const CUtensorMap* map, int it) {
+          const int stage = write.index;
+          if (kPersistent || it >= kStages) sm90::mbarrier_wait(empty(stage), write.phase ^ 1);
+          sm90::mbarrier_arrive_expect_bytes(full(stage), Shape::kKVBytes);
+          sm90::tma_load_tile<kColumnBlocks>(tile(stage), map, full(stage), kBlockN,
+                                             seq.k_offset + (blk.n_block_last - it) * kBlockN, blk.kv_head, k_batch);
+          write.advance();
+        };
+        load(k_write, k_smem, k_full, k_empty, &args.k_map, 0);
+        for (int it = 0; it < num_blocks; ++it) {
+          if (it + 1 < num_blocks) load(k_write, k_smem, k_full, k_empty, &args.k_map, it + 1);
+          load(v_write, v_smem, v_full, v_empty, &args.v_map, it);
+        }
       };
-      load(k_write, k_smem, k_full, k_empty, &args.k_map, 0);
-      for (int it = 0; it < num_blocks; ++it) {
-        if (it + 1 < num_blocks) load(k_write, k_smem, k_full, k_empty, &args.k_map, it + 1);
-        load(v_write, v_smem, v_full, v_empty, &args.v_map, it);
+      if constexpr (!kPersistent) {
+        load_tile(first_blk);
+      } else {
+        // Every tile, the first too, is handed to the consumers, but for the empty ones (past a
+        // shorter sequence's end), which the producer skips while the consumers still work on
+        // the last tile.
+        const auto next_tile = [&] { return atomicAdd(params.tile_counter, 1) + gridDim.x; };
+        for (unsigned tile = blockIdx.x, handed = 0;; ++handed, tile = next_tile()) {
+          while (tile < num_tiles && ForwardBlock(params, kBlockM, kBlockN, kDense, tile).empty) tile = next_tile();
+          sm90::mbarrier_wait(tile_empty, (handed & 1) ^ 1);
+          sm90::store_shared_u32(tile_slot, tile);
+          sm90::mbarrier_arrive(tile_full);
+          if (tile >= num_tiles) break;
+          load_tile(ForwardBlock(params, kBlockM, kBlockN, kDense, tile));
+        }
       }
     }
   } else {
@@ -164,148 +210,171 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
     const int lane = threadIdx.x % 32;
     const int consumer = warpgroup - 1;
     const int warp_row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16;  // this warp's 16 rows
-
-    float acc_o[1][kDTiles][4];
-    float row_max[1][2], row_sum[1][2];
-    start_rows_at_sink(row_max, row_sum, !reads_sink(kMod) ? -INFINITY : sink_logit_log2(params, blk.head),
-                       lane);
     using Transform = ScoreTransform<kMod, /*kLinearBias=*/true>;
-    shift_rows_for_bias_frame(row_max, Transform(params, blk.batch, blk.head), blk.mask, blk.m_begin + warp_row, lane,
-                              -1.f);
-  #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-  #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-    auto& acc_o_flat = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
-
     // Q rows of this warpgroup and K rows are K-major operands, V the MN-major B of P V.
     const auto q_operand = sm90::k_major_operand(q_smem + consumer * 64 * sm90::kSwizzleBytes);
 
     // Where this warpgroup reads the K ring (S runs a block ahead of P V) and the V ring.
     sm90::PipelineState<kStages> k_read, v_read;
+    uint32_t q_loads = 0;
     // Hands the stage `read` is at back to the producer (its products have completed).
     const auto release = [&](sm90::PipelineState<kStages>& read, const auto& empty) {
       __syncwarp();
       if (lane == 0) sm90::mbarrier_arrive(empty(read.index));
       read.advance();
     };
-    // S = Q K^T of the next key block into acc_s, issued and committed (not waited for).
-    const auto issue_scores = [&](float (&acc_s)[kBlockN / 2]) {
-      const int stage = k_read.index;
-      sm90::mbarrier_wait(k_full(stage), k_read.phase);
-      const auto k_operand = sm90::k_major_operand(k_smem(stage));
-      sm90::wgmma_fence();
-  #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        Wgmma<Element, kBlockN>::ss(acc_s, q_operand.at(sm90::k_major_step(ks, kBlockM)),
-                                    k_operand.at(sm90::k_major_step(ks, kBlockN)), ks > 0);
-      sm90::wgmma_commit();
-    };
-    // The softmax of block `it`'s scores, P left in acc_s (with dropout, the dropped ones 0).
-    const auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2], int it) {
-      const int n_begin = (blk.n_block_last - it) * kBlockN;
-      if (blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN))
-        softmax_scores<false>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head), blk.mask,
-                              blk.m_begin + warp_row, n_begin, lane);
-      else
-        softmax_scores<true>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head), blk.mask,
-                             blk.m_begin + warp_row, n_begin, lane);
-      if constexpr (has_dropout(kMod))
-        DropoutMask(params, blk.batch, blk.head).drop_rows(acc_s[0], (blk.m_begin + warp_row) / 16, n_begin, lane);
-    };
-    // P packed into the A fragments of P V (two n8 accumulator tiles = one k16 fragment).
-    const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
-  #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        accumulator_as_a<Element>(p[kk], acc_s[0], kk);
-      }
-    };
 
-    // Software pipeline within the warpgroup: while O += P_it V_it runs on the
-    // tensor cores, S_{it+1} is already computed and its softmax runs on the
-    // other units; O's rescale for block it+1 waits until P_it V_it has landed.
-    uint32_t p[kBlockN / 16][4];
-    float corrections[1][2];
-    if (num_blocks > 0) {
-      sm90::mbarrier_wait(q_full, 0);
-      float acc_s[1][kNTiles][4];
-      auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-      issue_scores(acc_s_flat);
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(acc_s_flat);
-      release(k_read, k_empty);
-      softmax_block(acc_s, corrections, 0);
-      pack_p(acc_s, p);
-      // Keys past the sequence's end have P = 0, but the rows of V the copy brought for
-      // them belong to the next sequence or to rows seqused leaves out, and 0 * inf or NaN
-      // there would reach O: the block that straddles the end (the first) zeroes them,
-      // here rather than in the loop, which keeps the loop free of the branch.
-      const int v_rows_valid = seq.seqlen_k - blk.n_block_last * kBlockN;
-      if (!kDense && SequenceInfo::keys_may_overrun(params) && v_rows_valid < kBlockN) {
-        sm90::mbarrier_wait(v_full(0), 0);
-        sm90::zero_tile_rows<Shape::kColumnBlocks>(v_smem(0), kBlockN, v_rows_valid, threadIdx.x - 128,
-                                                   Shape::kConsumerWarpgroups * 128);
-        sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerWarpgroups * 128);
-      }
-    }
-    // O = O * correction + P V of the next V block, issued and committed; the stage is handed
-    // back to the producer once it has completed.
-    const auto issue_pv = [&]() {
-      const int stage = v_read.index;
-      rescale_output(acc_o, corrections);
-      sm90::mbarrier_wait(v_full(stage), v_read.phase);
-      sm90::fence_registers(acc_o_flat);
-      const auto v_operand = sm90::mn_major_operand(v_smem(stage), kBlockN);
-      sm90::wgmma_fence();
+    const auto compute_tile = [&](const ForwardBlock& blk) {
+      const SequenceInfo& seq = blk.seq;
+      const int num_blocks = key_blocks(blk);
+      float acc_o[1][kDTiles][4];
+      float row_max[1][2], row_sum[1][2];
+      start_rows_at_sink(row_max, row_sum, !reads_sink(kMod) ? -INFINITY : sink_logit_log2(params, blk.head),
+                         lane);
+      shift_rows_for_bias_frame(row_max, Transform(params, blk.batch, blk.head), blk.mask, blk.m_begin + warp_row,
+                                lane, -1.f);
   #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        Wgmma<Element, kHeadDim>::rs_b_mn_major(acc_o_flat, p[kk], v_operand.at(kk * 16 * sm90::kSwizzleBytes));
-      sm90::wgmma_commit();
-    };
+      for (int dt = 0; dt < kDTiles; ++dt)
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+      auto& acc_o_flat = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
 
-    // The last block is peeled off so that every iteration of the loop has the
-    // same two products in flight (with the branch inside, ptxas could not tell
-    // which one wgmma_wait<1> retires, and serialised every wgmma).
-    for (int it = 0; it + 1 < num_blocks; ++it) {
-      float acc_s[1][kNTiles][4];
-      auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-      if constexpr (Shape::kOverlap) {
-        issue_scores(acc_s_flat);
-        issue_pv();
-        sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
-        sm90::fence_registers(acc_s_flat);
-        release(k_read, k_empty);
-        // P_it must stay untouched until P_it V_it completes (wgmma reads its A
-        // registers asynchronously): block it+1's P waits in acc_s, packed after.
-        softmax_block(acc_s, corrections, it + 1);
-        sm90::wgmma_wait<0>();
-        sm90::fence_registers(acc_o_flat);
-        release(v_read, v_empty);
-      } else {
-        issue_pv();
-        sm90::wgmma_wait<0>();
-        sm90::fence_registers(acc_o_flat);
-        release(v_read, v_empty);
+      // S = Q K^T of the next key block into acc_s, issued and committed (not waited for).
+      const auto issue_scores = [&](float (&acc_s)[kBlockN / 2]) {
+        const int stage = k_read.index;
+        sm90::mbarrier_wait(k_full(stage), k_read.phase);
+        const auto k_operand = sm90::k_major_operand(k_smem(stage));
+        sm90::wgmma_fence();
+  #pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks)
+          Wgmma<Element, kBlockN>::ss(acc_s, q_operand.at(sm90::k_major_step(ks, kBlockM)),
+                                      k_operand.at(sm90::k_major_step(ks, kBlockN)), ks > 0);
+        sm90::wgmma_commit();
+      };
+      // The softmax of block `it`'s scores, P left in acc_s (with dropout, the dropped ones 0).
+      const auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2], int it) {
+        const int n_begin = (blk.n_block_last - it) * kBlockN;
+        if (blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN))
+          softmax_scores<false>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head),
+                                blk.mask, blk.m_begin + warp_row, n_begin, lane);
+        else
+          softmax_scores<true>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head),
+                               blk.mask, blk.m_begin + warp_row, n_begin, lane);
+        if constexpr (has_dropout(kMod))
+          DropoutMask(params, blk.batch, blk.head).drop_rows(acc_s[0], (blk.m_begin + warp_row) / 16, n_begin, lane);
+      };
+      // P packed into the A fragments of P V (two n8 accumulator tiles = one k16 fragment).
+      const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
+  #pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          accumulator_as_a<Element>(p[kk], acc_s[0], kk);
+        }
+      };
+
+      // Software pipeline within the warpgroup: while O += P_it V_it runs on the
+      // tensor cores, S_{it+1} is already computed and its softmax runs on the
+      // other units; O's rescale for block it+1 waits until P_it V_it has landed.
+      uint32_t p[kBlockN / 16][4];
+      float corrections[1][2];
+      if (num_blocks > 0) {
+        sm90::mbarrier_wait(q_full, q_loads & 1);
+        ++q_loads;
+        float acc_s[1][kNTiles][4];
+        auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
         issue_scores(acc_s_flat);
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_s_flat);
         release(k_read, k_empty);
-        softmax_block(acc_s, corrections, it + 1);
+        softmax_block(acc_s, corrections, 0);
+        pack_p(acc_s, p);
+        // Keys past the sequence's end have P = 0, but the rows of V the copy brought for
+        // them belong to the next sequence or to rows seqused leaves out, and 0 * inf or NaN
+        // there would reach O: the block that straddles the end (the first) zeroes them,
+        // here rather than in the loop, which keeps the loop free of the branch.
+        const int v_rows_valid = seq.seqlen_k - blk.n_block_last * kBlockN;
+        if (!kDense && SequenceInfo::keys_may_overrun(params) && v_rows_valid < kBlockN) {
+          sm90::mbarrier_wait(v_full(v_read.index), v_read.phase);
+          sm90::zero_tile_rows<Shape::kColumnBlocks>(v_smem(v_read.index), kBlockN, v_rows_valid, threadIdx.x - 128,
+                                                     Shape::kConsumerWarpgroups * 128);
+          sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerWarpgroups * 128);
+        }
       }
-      pack_p(acc_s, p);
-    }
-    if (num_blocks > 0) {
-      issue_pv();
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(acc_o_flat);
-      release(v_read, v_empty);
-    }
+      // O = O * correction + P V of the next V block, issued and committed; the stage is handed
+      // back to the producer once it has completed.
+      const auto issue_pv = [&]() {
+        const int stage = v_read.index;
+        rescale_output(acc_o, corrections);
+        sm90::mbarrier_wait(v_full(stage), v_read.phase);
+        sm90::fence_registers(acc_o_flat);
+        const auto v_operand = sm90::mn_major_operand(v_smem(stage), kBlockN);
+        sm90::wgmma_fence();
+  #pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+          Wgmma<Element, kHeadDim>::rs_b_mn_major(acc_o_flat, p[kk], v_operand.at(kk * 16 * sm90::kSwizzleBytes));
+        sm90::wgmma_commit();
+      };
 
-    shift_rows_for_bias_frame(row_max, Transform(params, blk.batch, blk.head), blk.mask, blk.m_begin + warp_row, lane,
-                              1.f);
-    store_forward_rows<Element>(acc_o, row_max, row_sum, blk.out_rows<Element>(params), params.out_strides.row,
-                                blk.lse_rows(params), warp_row, blk.valid_q_rows, params.head_dim, lane, INFINITY,
-                                has_dropout(kMod) ? params.dropout_scale : 1.f);
+      // The last block is peeled off so that every iteration of the loop has the
+      // same two products in flight (with the branch inside, ptxas could not tell
+      // which one wgmma_wait<1> retires, and serialised every wgmma).
+      for (int it = 0; it + 1 < num_blocks; ++it) {
+        float acc_s[1][kNTiles][4];
+        auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+        if constexpr (Shape::kOverlap) {
+          issue_scores(acc_s_flat);
+          issue_pv();
+          sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
+          sm90::fence_registers(acc_s_flat);
+          release(k_read, k_empty);
+          // P_it must stay untouched until P_it V_it completes (wgmma reads its A
+          // registers asynchronously): block it+1's P waits in acc_s, packed after.
+          softmax_block(acc_s, corrections, it + 1);
+          sm90::wgmma_wait<0>();
+          sm90::fence_registers(acc_o_flat);
+          release(v_read, v_empty);
+        } else {
+          issue_pv();
+          sm90::wgmma_wait<0>();
+          sm90::fence_registers(acc_o_flat);
+          release(v_read, v_empty);
+          issue_scores(acc_s_flat);
+          sm90::wgmma_wait<0>();
+          sm90::fence_registers(acc_s_flat);
+          release(k_read, k_empty);
+          softmax_block(acc_s, corrections, it + 1);
+        }
+        pack_p(acc_s, p);
+      }
+      if (num_blocks > 0) {
+        if constexpr (kPersistent) {  // every S of the tile has completed: Q's stage is free
+          __syncwarp();
+          if (lane == 0) sm90::mbarrier_arrive(q_empty);
+        }
+        issue_pv();
+        sm90::wgmma_wait<0>();
+        sm90::fence_registers(acc_o_flat);
+        release(v_read, v_empty);
+      }
+
+      shift_rows_for_bias_frame(row_max, Transform(params, blk.batch, blk.head), blk.mask, blk.m_begin + warp_row,
+                                lane, 1.f);
+      store_forward_rows<Element>(acc_o, row_max, row_sum, blk.out_rows<Element>(params), params.out_strides.row,
+                                  blk.lse_rows(params), warp_row, blk.valid_q_rows, params.head_dim, lane, INFINITY,
+                                  has_dropout(kMod) ? params.dropout_scale : 1.f);
+    };
+
+    if constexpr (!kPersistent) {
+      compute_tile(first_blk);
+    } else {
+      for (unsigned handed = 0;; ++handed) {
+        sm90::mbarrier_wait(tile_full, handed & 1);
+        const unsigned tile = sm90::load_shared_u32(tile_slot);
+        __syncwarp();
+        if (lane == 0) sm90::mbarrier_arrive(tile_empty);
+        if (tile >= num_tiles) break;
+        compute_tile(ForwardBlock(params, kBlockM, kBlockN, kDense, tile));
+      }
+    }
   }
 #else
   __trap();  // launched only where the sm_90a image exists (sm90/forward_launch.cuh)

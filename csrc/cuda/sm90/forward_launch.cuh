@@ -9,6 +9,7 @@
 
 #include "cuda/sm90/forward_kernel.cuh"
 #include "cuda/common/kernel_launch.cuh"
+#include "cuda/device_limits.h"
 #include "cuda/sm90/tma_tile_map.cuh"
 
 namespace flashattn {
@@ -49,7 +50,8 @@ struct Sm90ForwardPlan<256, kMod> {
 // Launches the Hopper kernel, or sets *launched = false (and launches nothing)
 // where TMA cannot describe an input.
 template <typename Element, typename Shape, ScoreMod kMod>
-cudaError_t launch_forward_sm90(const AttentionFwdParams& params, cudaStream_t stream, bool* launched) {
+cudaError_t launch_forward_sm90(const AttentionFwdParams& params, const DeviceLimits& limits, cudaStream_t stream,
+                                bool* launched) {
   *launched = false;
   Sm90ForwardArgs args{};
   args.params = params;
@@ -64,12 +66,19 @@ cudaError_t launch_forward_sm90(const AttentionFwdParams& params, cudaStream_t s
   *launched = true;
   // The modifier variants are not instantiated for dense calls a second time: kDense pays
   // off at short sequences of the plain kernel, where a few registers matter.
-  const auto kernel = kMod != ScoreMod::kNone || SequenceInfo::has_sequence_bounds(params)
-                          ? attention_forward_sm90_kernel<Element, Shape, false, kMod>
-                          : attention_forward_sm90_kernel<Element, Shape, kMod == ScoreMod::kNone, kMod>;
-  return launch_on_flat_grid(kernel,
-                             ForwardBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads, Shape::kSmemBytes,
-                             stream, args);
+  const bool dense = kMod == ScoreMod::kNone && !SequenceInfo::has_sequence_bounds(params);
+  const int64_t persistent_blocks = persistent_forward_blocks(params, limits, Shape::kBlockM, Shape::kBlockN,
+                                                               int64_t{limits.num_sms} * Shape::kBlocksPerSM);
+  if (persistent_blocks > 0) {
+    const auto kernel = dense ? attention_forward_sm90_kernel<Element, Shape, kMod == ScoreMod::kNone, kMod, true>
+                              : attention_forward_sm90_kernel<Element, Shape, false, kMod, true>;
+    return launch_on_flat_grid(kernel, persistent_blocks, Shape::kThreads,
+                               Shape::kSmemBytes + Shape::kSchedulerBytes, stream, args);
+  }
+  const auto kernel = dense ? attention_forward_sm90_kernel<Element, Shape, kMod == ScoreMod::kNone, kMod>
+                            : attention_forward_sm90_kernel<Element, Shape, false, kMod>;
+  return launch_on_flat_grid(kernel, ForwardBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads,
+                             Shape::kSmemBytes, stream, args);
 }
 
 }  // namespace flashattn

@@ -1,0 +1,120 @@
+"""The Hopper forward's persistent grid against its static grid (skipped without an sm_90
+GPU and a build with the Hopper kernels).
+
+A tile's output is computed by one thread block from the same inputs in the same order
+whichever block takes it, so the persistent grid (resident blocks taking tiles from a
+counter) must give the static grid's out and lse bit for bit. FLASHATTN_FORWARD_SCHEDULER
+picks the grid per call; `persistent:N` caps the grid at N blocks, so that these small
+problems walk several tiles per block and carry the K/V rings, the Q barrier and the tile
+hand-over from one tile to the next (empty tiles of short sequences, tiles without keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashattn_ext
+from reference import assert_error_rule, attention_reference
+from sample_inputs import CASES_BY_NAME, VARLEN_CASES, AttentionCase
+
+forward_op = torch.ops.flashattn_ext.attention_forward
+
+
+def hopper_build() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and flashattn_ext.build_info().get("hopper_kernels") == "yes")
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not hopper_build(), reason="needs an sm_90 GPU and the Hopper kernels"),
+]
+
+PERSISTENT = ("persistent:1", "persistent:3", "persistent:7", "persistent")
+HEAD_DIMS = (64, 128, 256)
+DENSE_CASES = [
+    AttentionCase("many_tiles_causal", batch=3, seqlen_q=700, seqlen_k=700, nheads=5, nheads_kv=5, causal=True),
+    AttentionCase("many_tiles_gqa_q_lt_k", batch=2, seqlen_q=333, seqlen_k=1000, nheads=6, nheads_kv=2),
+    CASES_BY_NAME["q203_k113_causal"],       # rows that see no key
+    CASES_BY_NAME["window_masks_rows"],      # tiles without keys
+    CASES_BY_NAME["mixed_strides_causal"],
+    CASES_BY_NAME["sink_all_features"],      # softcap + ALiBi + sink + window
+    CASES_BY_NAME["alibi_per_batch_head"],
+]
+# Dropout (p, rng_state [seed, offset]), on the first two cases.
+DROPOUT = (0.3, (1234, 77))
+
+
+def run_forward(inputs, scheduler, monkeypatch, dropout=None):
+    monkeypatch.setenv("FLASHATTN_FORWARD_SCHEDULER", scheduler)
+    args = list(inputs.forward_op_args())
+    if dropout is not None:
+        args[9] = dropout[0]
+        args[10] = torch.tensor(dropout[1], dtype=torch.int64, device="cuda")
+    out, lse = forward_op(*args)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def assert_same_bits(static, persistent, context):
+    for name, a, b in zip(("out", "lse"), static, persistent):
+        assert a.shape == b.shape, f"{context}: {name} shape"
+        same = (a == b) | (a.isnan() & b.isnan())
+        assert bool(same.all()), (f"{context}: {name} differs at {int((~same).sum())} of {a.numel()} elements "
+                                  f"(max |diff| {float((a.float() - b.float()).abs().nan_to_num(0).max()):.3g})")
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("case,dropout", [(c, False) for c in DENSE_CASES] + [(c, True) for c in DENSE_CASES[:2]],
+                         ids=lambda x: str(x) if isinstance(x, AttentionCase) else ("dropout" if x else "plain"))
+def test_persistent_grid_matches_static_grid(case, dropout, head_dim, monkeypatch):
+    inputs = dataclasses.replace(case, head_dim=head_dim).make(torch.bfloat16, "cuda", seed=head_dim)
+    drop = DROPOUT if dropout else None
+    static = run_forward(inputs, "static", monkeypatch, drop)
+    for scheduler in PERSISTENT:
+        assert_same_bits(static, run_forward(inputs, scheduler, monkeypatch, drop), f"{case} d{head_dim} {scheduler}")
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("case", [c for c in VARLEN_CASES if c.op_compatible], ids=str)
+def test_persistent_grid_matches_static_grid_varlen(case, head_dim, monkeypatch):
+    inputs = dataclasses.replace(case, head_dim=head_dim).make(torch.float16, "cuda", seed=head_dim)
+    static = run_forward(inputs, "static", monkeypatch)
+    for scheduler in PERSISTENT:
+        assert_same_bits(static, run_forward(inputs, scheduler, monkeypatch), f"{case} d{head_dim} {scheduler}")
+
+
+def test_persistent_grid_against_the_reference(monkeypatch):
+    case = DENSE_CASES[0]
+    inputs = dataclasses.replace(case, head_dim=128).make(torch.bfloat16, "cuda", seed=5)
+    out, lse = run_forward(inputs, "persistent:5", monkeypatch)
+    kwargs = dict(softmax_scale=inputs.resolved_scale(), causal=True)
+    ref = attention_reference(inputs.q, inputs.k, inputs.v, **kwargs)
+    low = attention_reference(inputs.q, inputs.k, inputs.v, compute_dtype=torch.bfloat16, **kwargs)
+    assert_error_rule(("out", "lse"), (out, lse), ref, (low[0], low[1].float()), torch.bfloat16, "persistent:5")
+
+
+def forward_kernel_names(inputs, scheduler, monkeypatch):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_forward(inputs, scheduler, monkeypatch)
+    return {e.name for e in prof.events() if "attention_forward_sm90_kernel" in e.name}
+
+
+def test_the_setting_picks_the_grid(monkeypatch):
+    """The comparisons above would pass if the setting were ignored: the two grids must run
+    different kernels (the persistent one's last template argument is true)."""
+    inputs = dataclasses.replace(DENSE_CASES[0], head_dim=128).make(torch.bfloat16, "cuda")
+    static = forward_kernel_names(inputs, "static", monkeypatch)
+    persistent = forward_kernel_names(inputs, "persistent:3", monkeypatch)
+    assert len(static) == 1 and len(persistent) == 1 and static != persistent, (static, persistent)
+
+
+def test_bad_setting_is_refused(monkeypatch):
+    inputs = CASES_BY_NAME["basic"].make(torch.bfloat16, "cuda")
+    for bad in ("dynamic", "persistent:0", "persistent:", "persistent:x"):
+        with pytest.raises(RuntimeError, match=f"FLASHATTN_FORWARD_SCHEDULER must be .* got '{bad}'"):
+            run_forward(inputs, bad, monkeypatch)
