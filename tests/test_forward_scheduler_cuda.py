@@ -98,6 +98,32 @@ def test_persistent_grid_against_the_reference(monkeypatch):
     assert_error_rule(("out", "lse"), (out, lse), ref, (low[0], low[1].float()), torch.bfloat16, "persistent:5")
 
 
+def test_cuda_graph_replays_restart_the_tile_counter(monkeypatch):
+    """The counter is zeroed on the stream by each call, so a captured call's replays walk every
+    tile again (a counter left at its end would leave out a replay's tiles but the first ones)."""
+    case = dataclasses.replace(DENSE_CASES[0], head_dim=128)
+    inputs = case.make(torch.bfloat16, "cuda", seed=11)
+    monkeypatch.setenv("FLASHATTN_FORWARD_SCHEDULER", "persistent:3")
+    args = inputs.forward_op_args()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graphs asks
+        forward_op(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward_op(*args)
+    for seed in (12, 13):
+        fresh = case.make(torch.bfloat16, "cuda", seed=seed)
+        for name in ("q", "k", "v"):
+            getattr(inputs, name).copy_(getattr(fresh, name))
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_bits(run_forward(inputs, "static", monkeypatch), captured, f"replay with inputs of seed {seed}")
+
+
 def forward_kernel_names(inputs, scheduler, monkeypatch):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_forward(inputs, scheduler, monkeypatch)
