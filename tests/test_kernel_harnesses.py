@@ -34,9 +34,9 @@ def _compile_harness(tmp_path, harness, defines, shapes):
     ("forward_tile_sweep.cu", [], "ForwardTileShape<64, 128, 64, 4>"),
     ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], "Sm90ForwardShape<64, 128, 1, 3>"),
     # The shapes headers prepared for a device call (SWEEP_SHAPES_HEADER), whole.
-    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], KERNELS / "sweep_shapes_d64_three_blocks.h"),
+    ("forward_tile_sweep.cu", ["-DFLASHATTN_SWEEP_SM90"], KERNELS / "sweep_shapes_persistent.h"),
     ("backward_sm90_check.cu", [], None),
-], ids=["sweep_sm80", "sweep_sm90", "sweep_d64_three_blocks", "backward_check"])
+], ids=["sweep_sm80", "sweep_sm90", "sweep_persistent", "backward_check"])
 def test_kernel_harness_compiles(tmp_path, harness, defines, shapes):
     run = _compile_harness(tmp_path, harness, defines, shapes)
     assert run.returncode == 0, run.stdout[-4000:]

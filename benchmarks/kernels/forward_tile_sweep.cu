@@ -1,8 +1,9 @@
 // Standalone sweep of forward tile shapes: builds the forward kernel for several
 // (kBlockM, kBlockN, kWarps) at each head-dim width, checks each against a naive
 // fp32 reference kernel, and times it at the benchmark convention (bf16,
-// batch * seqlen = 16384, nheads = 2048 / d). Used to choose ForwardTilePlan in
-// csrc/cuda/forward_launch.cuh; torch-free so it builds in seconds.
+// batch * seqlen = 16384, nheads = 2048 / d); the Hopper shapes on the static and on the
+// persistent grid. Used to choose ForwardTilePlan and Sm90ForwardPlan; torch-free so it
+// builds in seconds.
 //
 // Build (on the GPU machine, or here and carry the binary):
 //   nvcc -std=c++20 -O3 -gencode=arch=compute_90,code=sm_90 -I csrc \
@@ -52,11 +53,25 @@ using bf16 = __nv_bfloat16;
 template <typename Shape>
 constexpr bool kIsSm90Shape = requires { Shape::kConsumerWarpgroups; };
 
+// The device's limits for the Hopper launch layer, and the persistent grid's tile counter.
+DeviceLimits g_limits{};
+int* g_tile_counter = nullptr;
+
+// grid_cap > 0: the Hopper kernel on a persistent grid of at most that many blocks (0: as many
+// as the SMs hold), zeroing its tile counter first as the op does; < 0: the static grid.
 template <typename Shape>
-cudaError_t launch_shape(const AttentionFwdParams& p) {
+cudaError_t launch_shape(AttentionFwdParams p, int grid_cap = -1) {
   if constexpr (kIsSm90Shape<Shape>) {
+    DeviceLimits limits = g_limits;
+    limits.forward_scheduler = grid_cap < 0 ? ForwardScheduler::kStatic : ForwardScheduler::kPersistent;
+    limits.persistent_grid_cap = grid_cap > 0 ? grid_cap : 0;
+    if (grid_cap >= 0) {
+      const cudaError_t e = cudaMemsetAsync(g_tile_counter, 0, sizeof(int));
+      if (e != cudaSuccess) return e;
+      p.tile_counter = g_tile_counter;
+    }
     bool launched = false;
-    const cudaError_t e = launch_forward_sm90<bf16, Shape, ScoreMod::kNone>(p, DeviceLimits{}, 0, &launched);
+    const cudaError_t e = launch_forward_sm90<bf16, Shape, ScoreMod::kNone>(p, limits, 0, &launched);
     return e == cudaSuccess && !launched ? cudaErrorNotSupported : e;
   } else {
     return launch_forward_with_shape<bf16, Shape, ScoreMod::kNone>(p, 0);
@@ -139,12 +154,12 @@ void free_problem(Problem& p) {
 }
 
 template <typename Shape>
-float max_error_vs_reference(std::mt19937& rng, bool causal) {
+float max_error_vs_reference(std::mt19937& rng, bool causal, int grid_cap) {
   Problem pr = make_problem(2, 3, 333, Shape::kHeadDim - 8, causal, rng);
   const AttentionFwdParams p = pr.params();
   const size_t n = size_t(pr.batch) * pr.seqlen * pr.nheads * pr.head_dim;
   CUDA_OK(cudaMemset(pr.out, 0xff, n * sizeof(bf16)));  // NaN poison
-  CUDA_OK(launch_shape<Shape>(p));
+  CUDA_OK(launch_shape<Shape>(p, grid_cap));
   float* ref;
   CUDA_OK(cudaMalloc(&ref, n * sizeof(float)));
   const int rows = pr.batch * pr.nheads * pr.seqlen;
@@ -164,21 +179,30 @@ float max_error_vs_reference(std::mt19937& rng, bool causal) {
   return err;
 }
 
+// Each Hopper shape on both grids (the persistent one checked on 3 blocks, so that a block walks
+// several tiles), the mma.sync shapes on the static grid.
 template <typename Shape>
 void sweep_shape(std::mt19937& rng) {
-  const float err = std::max(max_error_vs_reference<Shape>(rng, false), max_error_vs_reference<Shape>(rng, true));
-  for (bool causal : {false, true}) {
-    for (int seqlen : {1024, 2048, 8192}) {
-      const int d = Shape::kHeadDim, nheads = 2048 / d, batch = 16384 / seqlen;
-      Problem pr = make_problem(batch, nheads, seqlen, d, causal, rng);
-      const AttentionFwdParams p = pr.params();
-      const double t = bench::median_ms([&] { CUDA_OK(launch_shape<Shape>(p)); }, 3, 10, "forward") * 1e-3;
-      const double flops = bench::forward_flops(batch, nheads, seqlen, d, causal);
-      char what[96];
-      describe<Shape>(what, sizeof(what));
-      std::printf("fwd d=%3d %s smem=%6d causal=%d seqlen=%5d  %7.1f TFLOP/s  max_err=%.3g\n", d, what,
-                  Shape::kSmemBytes, causal, seqlen, flops / t * 1e-12, err);
-      free_problem(pr);
+  for (const bool persistent : {false, true}) {
+    if (persistent && !kIsSm90Shape<Shape>) continue;
+    const int check_cap = persistent ? 3 : -1, timing_cap = persistent ? 0 : -1;
+    const float err = std::max(max_error_vs_reference<Shape>(rng, false, check_cap),
+                               max_error_vs_reference<Shape>(rng, true, check_cap));
+    for (bool causal : {false, true}) {
+      for (int seqlen : {1024, 2048, 8192}) {
+        const int d = Shape::kHeadDim, nheads = 2048 / d, batch = 16384 / seqlen;
+        Problem pr = make_problem(batch, nheads, seqlen, d, causal, rng);
+        const AttentionFwdParams p = pr.params();
+        const double t =
+            bench::median_ms([&] { CUDA_OK(launch_shape<Shape>(p, timing_cap)); }, 3, 10, "forward") * 1e-3;
+        const double flops = bench::forward_flops(batch, nheads, seqlen, d, causal);
+        char what[96];
+        describe<Shape>(what, sizeof(what));
+        std::printf("fwd d=%3d %s grid=%-10s smem=%6d causal=%d seqlen=%5d  %7.1f TFLOP/s  max_err=%.3g\n", d,
+                    what, persistent ? "persistent" : "static", Shape::kSmemBytes, causal, seqlen, flops / t * 1e-12,
+                    err);
+        free_problem(pr);
+      }
     }
   }
 }
@@ -191,6 +215,11 @@ void sweep(std::mt19937& rng) {
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line out as it is timed, should a timeout end the run
   std::mt19937 rng(0);
+  CUDA_OK(cudaDeviceGetAttribute(&g_limits.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  CUDA_OK(cudaDeviceGetAttribute(&g_limits.num_sms, cudaDevAttrMultiProcessorCount, 0));
+  g_limits.hopper_kernels = true;
+  CUDA_OK(cudaMalloc(&g_tile_counter, sizeof(int)));
   sweep<FLASHATTN_SWEEP_SHAPES>(rng);
+  cudaFree(g_tile_counter);
   return 0;
 }
