@@ -15,11 +15,19 @@ namespace flashattn {
 template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_attention_forward(const AttentionFwdParams& params, const DeviceLimits& limits,
                                      cudaStream_t stream) {
-  using HopperShape = typename Sm90ForwardPlan<W, kMod>::Shape;
+  using HopperPlan = Sm90ForwardPlan<W, kMod>;
+  using HopperShape = typename HopperPlan::Shape;
   if constexpr (!std::is_void_v<HopperShape>) {
     if (limits.hopper_kernels && HopperShape::kSmemBytes <= limits.max_smem_per_block) {
       bool launched = false;
-      const cudaError_t status = launch_forward_sm90<Element, HopperShape, kMod>(params, limits, stream, &launched);
+      cudaError_t status = cudaSuccess;
+      using FullMaskShape = typename HopperPlan::FullMaskShape;
+      if constexpr (!std::is_void_v<FullMaskShape>) {
+        if (runs_full_mask_shape(params))
+          status = launch_forward_sm90<Element, FullMaskShape, kMod>(params, limits, stream, &launched);
+      }
+      if (status == cudaSuccess && !launched)
+        status = launch_forward_sm90<Element, HopperShape, kMod>(params, limits, stream, &launched);
       if (status != cudaSuccess || launched) return status;
       // else TMA cannot describe an input (a stride not a multiple of 16 bytes): the sm_80 kernel runs it.
     }
