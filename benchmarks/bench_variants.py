@@ -376,7 +376,7 @@ def main(argv=None):
     for causal in bench_attention.causal_values(args.causal):
         # One set of inputs for every variant, so that the variants differ only in their modifiers.
         sets = bc.make_input_sets("bshd", batch, n, n, nheads, nheads, d, dtype, device, gen)
-        shape = SimpleNamespace(batch=batch, seqlen=n, nheads=nheads, head_dim=d, causal=causal, scale=scale)
+        shape = SimpleNamespace(batch=batch, seqlen=n, nheads=nheads, nheads_kv=nheads, head_dim=d, causal=causal, scale=scale)
         checked = {}  # variant -> (row base, modifiers) of the variants that passed their check
         for variant in bc.progress(args.variants, desc=f"variants causal={causal}"):
             base = dict(dtype=args.dtype, head_dim=d, seqlen=n, batch=batch, nheads=nheads, causal=causal,

@@ -5,7 +5,8 @@
 // persistent grid. Used to choose ForwardTilePlan and Sm90ForwardPlan; torch-free so it
 // builds in seconds.
 //
-// Build (on the GPU machine, or here and carry the binary):
+// Build (on the GPU machine, or here and carry the binary; -DFLASHATTN_SWEEP_SOFTCAP=30 times
+// the softcap variant instead of plain scores):
 //   nvcc -std=c++20 -O3 -gencode=arch=compute_90,code=sm_90 -I csrc \
 //        benchmarks/kernels/forward_tile_sweep.cu -o forward_tile_sweep
 //   (the Hopper kernel: -gencode=arch=compute_90a,code=sm_90a -DFLASHATTN_SWEEP_SM90)
@@ -50,6 +51,15 @@
 using namespace flashattn;
 using bf16 = __nv_bfloat16;
 
+// -DFLASHATTN_SWEEP_SOFTCAP=c: every shape with softcap c (the kSoftcap instantiation).
+#if defined(FLASHATTN_SWEEP_SOFTCAP)
+constexpr float kSoftcap = FLASHATTN_SWEEP_SOFTCAP;
+constexpr ScoreMod kSweepMod = ScoreMod::kSoftcap;
+#else
+constexpr float kSoftcap = 0.f;
+constexpr ScoreMod kSweepMod = ScoreMod::kNone;
+#endif
+
 template <typename Shape>
 constexpr bool kIsSm90Shape = requires { Shape::kConsumerWarpgroups; };
 
@@ -71,10 +81,10 @@ cudaError_t launch_shape(AttentionFwdParams p, int grid_cap = -1) {
       p.tile_counter = g_tile_counter;
     }
     bool launched = false;
-    const cudaError_t e = launch_forward_sm90<bf16, Shape, ScoreMod::kNone>(p, limits, 0, &launched);
+    const cudaError_t e = launch_forward_sm90<bf16, Shape, kSweepMod>(p, limits, 0, &launched);
     return e == cudaSuccess && !launched ? cudaErrorNotSupported : e;
   } else {
-    return launch_forward_with_shape<bf16, Shape, ScoreMod::kNone>(p, 0);
+    return launch_forward_with_shape<bf16, Shape, kSweepMod>(p, 0);
   }
 }
 
@@ -106,6 +116,7 @@ __global__ void reference_forward(AttentionFwdParams p, float* out) {
     float s = 0.f;
     for (int d = 0; d < p.head_dim; ++d) s += __bfloat162float(q[d]) * __bfloat162float(k[j * p.k_strides.row + d]);
     s *= p.softmax_scale;
+    if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
     const float m_new = fmaxf(m, s), c = expf(m - m_new), e = expf(s - m_new);
     l = l * c + e;
     for (int d = 0; d < p.head_dim; ++d) acc[d] = acc[d] * c + e * __bfloat162float(v[j * p.v_strides.row + d]);
@@ -133,6 +144,7 @@ struct Problem {
     p.softmax_scale_log2 = p.softmax_scale * float(M_LOG2E);
     p.window_left = -1;
     p.window_right = causal ? 0 : -1;
+    p.softcap = kSoftcap;
     p.is_bf16 = true;
     return p;
   }
@@ -198,9 +210,9 @@ void sweep_shape(std::mt19937& rng) {
         const double flops = bench::forward_flops(batch, nheads, seqlen, d, causal);
         char what[96];
         describe<Shape>(what, sizeof(what));
-        std::printf("fwd d=%3d %s grid=%-10s smem=%6d causal=%d seqlen=%5d  %7.1f TFLOP/s  max_err=%.3g\n", d,
-                    what, persistent ? "persistent" : "static", Shape::kSmemBytes, causal, seqlen, flops / t * 1e-12,
-                    err);
+        std::printf("fwd d=%3d softcap=%g %s grid=%-10s smem=%6d causal=%d seqlen=%5d  %7.1f TFLOP/s  max_err=%.3g\n",
+                    d, kSoftcap, what, persistent ? "persistent" : "static", Shape::kSmemBytes, causal, seqlen,
+                    flops / t * 1e-12, err);
         free_problem(pr);
       }
     }
