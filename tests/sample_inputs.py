@@ -400,6 +400,9 @@ VARLEN_CASES = [
     VarlenCase("dense_seqused", seqlens_q=(19, 19), seqlens_k=(21, 21), seqused_q=(19, 4), seqused_k=(0, 9),
                dense_q=True, dense_k=True, tags=("opcheck",)),
     VarlenCase("head_dim_20_padded", seqlens_q=(3, 17), seqlens_k=(3, 17), head_dim=20, causal=True),
+    # Sequences out of length order, with ties: the forward grids take them longest first.
+    VarlenCase("unsorted_lengths_ties", seqlens_q=(70, 3, 200, 0, 70, 129, 1, 64, 300, 17, 65, 200),
+               seqlens_k=(70, 3, 200, 0, 70, 129, 1, 64, 300, 17, 65, 200), nheads=2, causal=True),
     VarlenCase("sink_causal_seqused_gqa", seqlens_q=(9, 0, 30, 6), seqlens_k=(4, 3, 140, 0), nheads=4,
                nheads_kv=2, causal=True, seqused_q=(9, 0, 25, 6), sink=True, tags=("opcheck",)),
 ]

@@ -78,6 +78,9 @@ struct AttentionFwdParams {
   // The Hopper forward's persistent grid takes its tiles from this counter, zeroed before the
   // launch (nullptr: one block per tile).
   int* tile_counter;
+  // The forward grids' order of a variable-length batch's sequences (cuda/batch_order.h, most
+  // keys first), or nullptr: batch order.
+  const int* batch_order;
 };
 
 struct AttentionBwdParams : AttentionFwdParams {

@@ -7,6 +7,8 @@
 
 #include "attention_api.h"
 #include "attention_ops.h"
+#include "common/sequence_info.h"
+#include "cuda/batch_order.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/forward_launch.h"
 
@@ -32,14 +34,24 @@ struct ForwardLauncher {
 void run_forward_kernel(const AttentionFwdParams& call_params, const DeviceLimits& limits, cudaStream_t stream) {
   AttentionFwdParams params = call_params;
   // The persistent grid's counter, where the Hopper forward may run one (a tile has at least 64
-  // query rows; its launch layer decides with the exact tile). Zeroed on the stream, so that
-  // CUDA-graph replays start from zero too.
-  at::Tensor tile_counter;
+  // query rows; its launch layer decides with the exact tile), zeroed on the stream, so that
+  // CUDA-graph replays start from zero too; and after it a variable-length batch's order,
+  // written on the stream from cu_seqlens / seqused.
   const int64_t most_tiles = (int64_t{params.seqlen_q} + 63) / 64 * params.batch * params.nheads_q;
-  if (limits.hopper_kernels && limits.forward_scheduler != ForwardScheduler::kStatic &&
-      most_tiles > limits.num_sms) {
-    tile_counter = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
-    params.tile_counter = tile_counter.data_ptr<int>();
+  const bool counter = limits.hopper_kernels && limits.forward_scheduler != ForwardScheduler::kStatic &&
+                       most_tiles > limits.num_sms;
+  const bool order = SequenceInfo::has_sequence_bounds(params) && params.batch > 1 &&
+                     params.batch <= kMaxOrderedBatch;
+  at::Tensor scheduler_ints;
+  if (counter || order) {
+    scheduler_ints = at::zeros({1 + (order ? params.batch : 0)},
+                               at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
+    if (counter) params.tile_counter = scheduler_ints.data_ptr<int>();
+    if (order) {
+      params.batch_order = scheduler_ints.data_ptr<int>() + 1;
+      check_cuda_status(launch_longest_first_batch_order(params, scheduler_ints.data_ptr<int>() + 1, stream),
+                        "the batch-order kernel launch");
+    }
   }
   cudaError_t status = cudaSuccess;
   if (!dispatch_head_dim_tile(params.head_dim, ForwardLauncher{params, limits, stream}, &status))

@@ -34,14 +34,15 @@ struct ForwardBlock {
 
   __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN, bool dense,
                                           unsigned tile)
-      : seq(params, decode_batch(params, kBlockM, tile), dense),
+      : seq(params, decode_batch(params, kBlockM, dense, tile), dense),
         mask{seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right} {
     // Flattened grid (one dimension never overflows for batch * heads > 65535):
-    // query blocks vary fastest, heaviest (last) blocks first for causal balance.
+    // query blocks vary fastest, heaviest (last) blocks first for causal balance; the
+    // sequences of a variable-length batch in params.batch_order, longest first.
     const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
     const int bh = static_cast<int>(tile / num_m_blocks);
     head = bh % params.nheads_q;
-    batch = bh / params.nheads_q;
+    batch = decode_batch(params, kBlockM, dense, tile);
     kv_head = head / (params.nheads_q / params.nheads_kv);
     // Within a shorter sequence the heaviest block is its own last one, so the
     // order counts down from there and the blocks past its end come last.
@@ -53,9 +54,11 @@ struct ForwardBlock {
     n_block_first = mask.key_begin(m_begin) / kBlockN;
     n_block_last = (mask.key_end(min(m_begin + kBlockM, seq.seqlen_q)) + kBlockN - 1) / kBlockN - 1;
   }
-  __device__ __forceinline__ static int decode_batch(const AttentionFwdParams& params, int kBlockM, unsigned tile) {
+  __device__ __forceinline__ static int decode_batch(const AttentionFwdParams& params, int kBlockM, bool dense,
+                                                     unsigned tile) {
     const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-    return static_cast<int>(tile / num_m_blocks) / params.nheads_q;
+    const int slot = static_cast<int>(tile / num_m_blocks) / params.nheads_q;
+    return dense || params.batch_order == nullptr ? slot : params.batch_order[slot];
   }
   template <typename Element>
   __device__ __forceinline__ Element* out_rows(const AttentionFwdParams& params) const {
