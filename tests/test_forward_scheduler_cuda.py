@@ -1,5 +1,7 @@
-"""The Hopper forward's persistent grid against its static grid (skipped without an sm_90
-GPU and a build with the Hopper kernels).
+"""The forward's persistent grid against its static grid, for both kernel families: the
+Hopper kernel (skipped without an sm_90 GPU and a build with the Hopper kernels) and the
+mma.sync one (its persistent grid compiled for plain scores; forced on a Hopper build with
+FLASHATTN_DISABLE_HOPPER_KERNELS, and what the tiles without a Hopper plan run).
 
 A tile's output is computed by one thread block from the same inputs in the same order
 whichever block takes it, so the persistent grid (resident blocks taking tiles from a
@@ -31,11 +33,35 @@ def hopper_build() -> bool:
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not hopper_build(), reason="needs an sm_90 GPU and the Hopper kernels"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+
+@pytest.fixture(params=("hopper", "sm80"))
+def family(request, monkeypatch):
+    if request.param == "hopper" and not hopper_build():
+        pytest.skip("needs an sm_90 GPU and the Hopper kernels")
+    if request.param == "sm80" and hopper_build():
+        monkeypatch.setenv("FLASHATTN_DISABLE_HOPPER_KERNELS", "1")
+    return request.param
+
+
+def skip_unless_persistent(family, case, head_dim, dropout=False):
+    """The mma.sync kernel's persistent grid is compiled for plain scores only, and not for its
+    W 128 tile (sm80/forward_launch.cuh): elsewhere both settings run its static grid, and
+    comparing them would test nothing."""
+    modified = dropout or case.softcap or case.alibi or case.sink
+    if family == "sm80" and (modified or head_dim == 128):
+        pytest.skip("the mma.sync persistent grid runs plain scores at head-dim tiles other than 128")
+
+
+def grid_head_dim(family):
+    """A head dim whose tile has a persistent grid in the family."""
+    return 128 if family == "hopper" else 64
+
+
 PERSISTENT = ("persistent:1", "persistent:3", "persistent:7", "persistent")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (32, 64, 96, 128, 256)  # 32 and 96: no Hopper plan, the mma.sync kernel runs
 DENSE_CASES = [
     AttentionCase("many_tiles_causal", batch=3, seqlen_q=700, seqlen_k=700, nheads=5, nheads_kv=5, causal=True),
     AttentionCase("many_tiles_gqa_q_lt_k", batch=2, seqlen_q=333, seqlen_k=1000, nheads=6, nheads_kv=2),
@@ -71,7 +97,8 @@ def assert_same_bits(static, persistent, context):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("case,dropout", [(c, False) for c in DENSE_CASES] + [(c, True) for c in DENSE_CASES[:2]],
                          ids=lambda x: str(x) if isinstance(x, AttentionCase) else ("dropout" if x else "plain"))
-def test_persistent_grid_matches_static_grid(case, dropout, head_dim, monkeypatch):
+def test_persistent_grid_matches_static_grid(case, dropout, head_dim, family, monkeypatch):
+    skip_unless_persistent(family, case, head_dim, dropout)
     inputs = dataclasses.replace(case, head_dim=head_dim).make(torch.bfloat16, "cuda", seed=head_dim)
     drop = DROPOUT if dropout else None
     static = run_forward(inputs, "static", monkeypatch, drop)
@@ -81,16 +108,17 @@ def test_persistent_grid_matches_static_grid(case, dropout, head_dim, monkeypatc
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("case", [c for c in VARLEN_CASES if c.op_compatible], ids=str)
-def test_persistent_grid_matches_static_grid_varlen(case, head_dim, monkeypatch):
+def test_persistent_grid_matches_static_grid_varlen(case, head_dim, family, monkeypatch):
+    skip_unless_persistent(family, case, head_dim)
     inputs = dataclasses.replace(case, head_dim=head_dim).make(torch.float16, "cuda", seed=head_dim)
     static = run_forward(inputs, "static", monkeypatch)
     for scheduler in PERSISTENT:
         assert_same_bits(static, run_forward(inputs, scheduler, monkeypatch), f"{case} d{head_dim} {scheduler}")
 
 
-def test_persistent_grid_against_the_reference(monkeypatch):
+def test_persistent_grid_against_the_reference(family, monkeypatch):
     case = DENSE_CASES[0]
-    inputs = dataclasses.replace(case, head_dim=128).make(torch.bfloat16, "cuda", seed=5)
+    inputs = dataclasses.replace(case, head_dim=grid_head_dim(family)).make(torch.bfloat16, "cuda", seed=5)
     out, lse = run_forward(inputs, "persistent:5", monkeypatch)
     kwargs = dict(softmax_scale=inputs.resolved_scale(), causal=True)
     ref = attention_reference(inputs.q, inputs.k, inputs.v, **kwargs)
@@ -98,10 +126,10 @@ def test_persistent_grid_against_the_reference(monkeypatch):
     assert_error_rule(("out", "lse"), (out, lse), ref, (low[0], low[1].float()), torch.bfloat16, "persistent:5")
 
 
-def test_cuda_graph_replays_restart_the_tile_counter(monkeypatch):
+def test_cuda_graph_replays_restart_the_tile_counter(family, monkeypatch):
     """The counter is zeroed on the stream by each call, so a captured call's replays walk every
     tile again (a counter left at its end would leave out a replay's tiles but the first ones)."""
-    case = dataclasses.replace(DENSE_CASES[0], head_dim=128)
+    case = dataclasses.replace(DENSE_CASES[0], head_dim=grid_head_dim(family))
     inputs = case.make(torch.bfloat16, "cuda", seed=11)
     monkeypatch.setenv("FLASHATTN_FORWARD_SCHEDULER", "persistent:3")
     args = inputs.forward_op_args()
@@ -127,16 +155,17 @@ def test_cuda_graph_replays_restart_the_tile_counter(monkeypatch):
 def forward_kernel_names(inputs, scheduler, monkeypatch):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_forward(inputs, scheduler, monkeypatch)
-    return {e.name for e in prof.events() if "attention_forward_sm90_kernel" in e.name}
+    return {e.name for e in prof.events() if "attention_forward" in e.name and "kernel" in e.name}
 
 
-def test_the_setting_picks_the_grid(monkeypatch):
+def test_the_setting_picks_the_grid(family, monkeypatch):
     """The comparisons above would pass if the setting were ignored: the two grids must run
-    different kernels (the persistent one's last template argument is true)."""
-    inputs = dataclasses.replace(DENSE_CASES[0], head_dim=128).make(torch.bfloat16, "cuda")
+    different kernels (the persistent one's last template argument is true) of the family."""
+    inputs = dataclasses.replace(DENSE_CASES[0], head_dim=grid_head_dim(family)).make(torch.bfloat16, "cuda")
     static = forward_kernel_names(inputs, "static", monkeypatch)
     persistent = forward_kernel_names(inputs, "persistent:3", monkeypatch)
     assert len(static) == 1 and len(persistent) == 1 and static != persistent, (static, persistent)
+    assert all(("sm90" in name) == (family == "hopper") for name in static | persistent), (static, persistent)
 
 
 def test_bad_setting_is_refused(monkeypatch):

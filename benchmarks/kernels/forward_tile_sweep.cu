@@ -84,7 +84,7 @@ cudaError_t launch_shape(AttentionFwdParams p, int grid_cap = -1) {
     const cudaError_t e = launch_forward_sm90<bf16, Shape, kSweepMod>(p, limits, 0, &launched);
     return e == cudaSuccess && !launched ? cudaErrorNotSupported : e;
   } else {
-    return launch_forward_with_shape<bf16, Shape, kSweepMod>(p, 0);
+    return launch_forward_with_shape<bf16, Shape, kSweepMod>(p, g_limits, 0);
   }
 }
 

@@ -3,10 +3,11 @@
 
 namespace flashattn {
 
-// Which grid the Hopper forward runs where it has more tiles than the SMs hold blocks at once
-// (FLASHATTN_FORWARD_SCHEDULER, read per call): kAuto (unset) persistent where the tiles' key
-// loops are short (tile_scheduler.cuh's persistent_forward_blocks), kStatic (`static`) never,
-// kPersistent (`persistent`, `persistent:N`) always.
+// Which grid the forward runs where it has more tiles than the SMs hold blocks at once
+// (FLASHATTN_FORWARD_SCHEDULER, read per call): kAuto (unset) persistent where the Hopper
+// kernel's key loops are short (tile_scheduler.cuh's persistent_forward_blocks; the mma.sync
+// kernel static), kStatic (`static`) never, kPersistent (`persistent`, `persistent:N`) always
+// where the kernel has one.
 enum class ForwardScheduler { kAuto, kStatic, kPersistent };
 
 struct DeviceLimits {

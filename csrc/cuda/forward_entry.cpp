@@ -33,12 +33,13 @@ struct ForwardLauncher {
 
 void run_forward_kernel(const AttentionFwdParams& call_params, const DeviceLimits& limits, cudaStream_t stream) {
   AttentionFwdParams params = call_params;
-  // The persistent grid's counter, where the Hopper forward may run one (a tile has at least 64
-  // query rows; its launch layer decides with the exact tile), zeroed on the stream, so that
+  // The persistent grid's counter, where the forward may run one (a tile has at least 64 query
+  // rows; the launch layers decide with the exact tile), zeroed on the stream, so that
   // CUDA-graph replays start from zero too; and after it a variable-length batch's order,
   // written on the stream from cu_seqlens / seqused.
   const int64_t most_tiles = (int64_t{params.seqlen_q} + 63) / 64 * params.batch * params.nheads_q;
-  const bool counter = limits.hopper_kernels && limits.forward_scheduler != ForwardScheduler::kStatic &&
+  const bool counter = (limits.hopper_kernels ? limits.forward_scheduler != ForwardScheduler::kStatic
+                                              : limits.forward_scheduler == ForwardScheduler::kPersistent) &&
                        most_tiles > limits.num_sms;
   const bool order = SequenceInfo::has_sequence_bounds(params) && params.batch > 1 &&
                      params.batch <= kMaxOrderedBatch;

@@ -34,9 +34,9 @@ cudaError_t launch_attention_forward(const AttentionFwdParams& params, const Dev
   }
   using Plan = ForwardVariantPlan<W, kMod>;
   if (Plan::Primary::kSmemBytes <= limits.max_smem_per_block)
-    return launch_forward_with_shape<Element, typename Plan::Primary, kMod>(params, stream);
+    return launch_forward_with_shape<Element, typename Plan::Primary, kMod>(params, limits, stream);
   if (Plan::Fallback::kSmemBytes <= limits.max_smem_per_block)
-    return launch_forward_with_shape<Element, typename Plan::Fallback, kMod>(params, stream);
+    return launch_forward_with_shape<Element, typename Plan::Fallback, kMod>(params, limits, stream);
   return cudaErrorInvalidConfiguration;
 }
 

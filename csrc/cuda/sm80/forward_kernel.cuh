@@ -1,5 +1,5 @@
-// Forward attention kernel for sm_80+ (mma.sync tensor cores): one thread block owns
-// kBlockM query rows of one (batch, head) of a dense or variable-length batch
+// Forward attention kernel for sm_80+ (mma.sync tensor cores): a thread block owns
+// kBlockM query rows of one (batch, head) of a dense or variable-length batch at a time
 // (tile_scheduler.cuh's ForwardBlock), runs the main loop over the key blocks its rows
 // see (forward_mainloop.cuh), and writes O and lse once at the end.
 #pragma once
@@ -12,18 +12,12 @@
 
 namespace flashattn {
 
+// One tile: its rows' main loop and epilogue, Q, K and V staged at q_smem.
 template <typename Element, typename Shape, ScoreMod kMod>
-__global__ void __launch_bounds__(Shape::kThreads)
-    attention_forward_kernel(const __grid_constant__ AttentionFwdParams params) {
+__device__ __forceinline__ void forward_tile(const AttentionFwdParams& params, const ForwardBlock& blk,
+                                             uint32_t q_smem) {
   using QTile = typename Shape::QTile;
   using KVTile = typename Shape::KVTile;
-  // Every warp starts its rows at the sink: warps that split the keys would count it twice.
-  static_assert(Shape::kKeyWarps == 1, "the attention kernel's warps own whole rows");
-  extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t q_smem = smem_address(smem);
-
-  const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, blockIdx.x);
-  if (blk.empty) return;
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
   const SequenceInfo& seq = blk.seq;
   const Element* q_ptr = seq.q_row(static_cast<const Element*>(params.q), params.q_strides, blk.batch, blk.head, blk.m_begin);
@@ -60,6 +54,34 @@ __global__ void __launch_bounds__(Shape::kThreads)
                               params.out_strides.row, lse_ptr, warp * Shape::kRowsPerWarp,
                               blk.valid_q_rows, params.head_dim, lane, INFINITY,
                               has_dropout(kMod) ? params.dropout_scale : 1.f);
+}
+
+// One block per tile (ForwardBlock's order), or, kPersistent, as many blocks as the SMs hold,
+// each taking its first tile by its index and every next one from params.tile_counter
+// (zeroed before the launch), the Hopper forward's scheme without its producer: thread 0
+// takes the number, and the barrier that hands it on also frees the shared memory.
+template <typename Element, typename Shape, ScoreMod kMod, bool kPersistent = false>
+__global__ void __launch_bounds__(Shape::kThreads)
+    attention_forward_kernel(const __grid_constant__ AttentionFwdParams params) {
+  // Every warp starts its rows at the sink: warps that split the keys would count it twice.
+  static_assert(Shape::kKeyWarps == 1, "the attention kernel's warps own whole rows");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t q_smem = smem_address(smem);
+  if constexpr (!kPersistent) {
+    const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, blockIdx.x);
+    if (!blk.empty) forward_tile<Element, Shape, kMod>(params, blk, q_smem);
+  } else {
+    __shared__ unsigned next_tile;
+    const unsigned num_tiles = static_cast<unsigned>(ForwardBlock::grid_blocks(params, Shape::kBlockM));
+    for (unsigned tile = blockIdx.x; tile < num_tiles;) {
+      const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, tile);
+      if (!blk.empty) forward_tile<Element, Shape, kMod>(params, blk, q_smem);
+      if (threadIdx.x == 0) next_tile = atomicAdd(params.tile_counter, 1) + gridDim.x;
+      __syncthreads();
+      tile = next_tile;
+      __syncthreads();  // every thread has read next_tile before thread 0 writes the one after
+    }
+  }
 }
 
 }  // namespace flashattn

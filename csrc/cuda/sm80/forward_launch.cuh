@@ -6,6 +6,7 @@
 
 #include "common/attention_params.h"
 #include "cuda/common/kernel_launch.cuh"
+#include "cuda/device_limits.h"
 #include "cuda/common/tile_scheduler.cuh"
 #include "cuda/sm80/forward_kernel.cuh"
 
@@ -67,8 +68,32 @@ struct ForwardVariantPlan<W, kMod, true> {
   using Fallback = Primary;
 };
 
+// The persistent grid (plain scores only, which keeps the instantiations few) runs where
+// FLASHATTN_FORWARD_SCHEDULER=persistent asks for it; by default this family keeps the static
+// grid, whose two or more blocks per SM already overlap one another's starts and ends. Its
+// loop costs registers: the W = 128 tile of 32 rows per warp (255 registers) spills 36-56
+// bytes in it, so that tile keeps the static grid.
+template <typename Shape>
+constexpr bool kPersistentGridFits = !(Shape::kHeadDim == 128 && Shape::kRowsPerWarp == 32);
+
 template <typename Element, typename Shape, ScoreMod kMod>
-cudaError_t launch_forward_with_shape(const AttentionFwdParams& params, cudaStream_t stream) {
+cudaError_t launch_forward_with_shape(const AttentionFwdParams& params, const DeviceLimits& limits,
+                                      cudaStream_t stream) {
+  if constexpr (kMod == ScoreMod::kNone && kPersistentGridFits<Shape>) {
+    if (limits.forward_scheduler == ForwardScheduler::kPersistent) {
+      const auto kernel = attention_forward_kernel<Element, Shape, kMod, true>;
+      cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
+      int blocks_per_sm = 0;
+      if (status == cudaSuccess)
+        status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, Shape::kThreads,
+                                                               Shape::kSmemBytes);
+      if (status != cudaSuccess) return status;
+      const int64_t blocks = persistent_forward_blocks(params, limits, Shape::kBlockM, Shape::kBlockN,
+                                                       int64_t{limits.num_sms} * blocks_per_sm);
+      if (blocks > 0)
+        return launch_on_flat_grid(kernel, blocks, Shape::kThreads, Shape::kSmemBytes, stream, params);
+    }
+  }
   return launch_on_flat_grid(attention_forward_kernel<Element, Shape, kMod>,
                              ForwardBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads,
                              Shape::kSmemBytes, stream, params);
