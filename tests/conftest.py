@@ -85,8 +85,8 @@ def kernel_family(request, monkeypatch):
     the mma.sync kernels forced (FLASHATTN_DISABLE_HOPPER_KERNELS), so that on a
     Hopper GPU both families are held to the same checks."""
     if request.param == "sm80":
-        hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-        if not (hopper and flashattn_ext.build_info().get("hopper_kernels") == "yes"):
+        from cuda_inputs import hopper_build
+        if not hopper_build():
             pytest.skip("the default kernels are the sm80 family here")
         monkeypatch.setenv("FLASHATTN_DISABLE_HOPPER_KERNELS", "1")
     return request.param

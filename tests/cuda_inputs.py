@@ -1,10 +1,19 @@
-"""Inputs shared by the GPU tests (test_forward_cuda.py, test_backward_cuda.py)."""
+"""Inputs and conditions shared by the GPU tests (test_forward_cuda.py, test_backward_cuda.py,
+the scheduler and tile-plan tests)."""
 
 from __future__ import annotations
 
 import torch
 
+import flashattn_ext
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def hopper_build() -> bool:
+    """An sm_90 GPU and a build with the Hopper kernels: where the wgmma / TMA kernels run."""
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and flashattn_ext.build_info().get("hopper_kernels") == "yes")
 
 
 def poison_allocator(device="cuda", nbytes=1 << 28):

@@ -16,15 +16,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashattn_ext
+from cuda_inputs import hopper_build
 from reference import assert_error_rule, attention_reference
 from sample_inputs import AttentionCase
 
 forward_op = torch.ops.flashattn_ext.attention_forward
-
-
-def hopper_build() -> bool:
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-            and flashattn_ext.build_info().get("hopper_kernels") == "yes")
 
 
 pytestmark = [
