@@ -49,9 +49,9 @@ void run_forward_kernel(const AttentionFwdParams& call_params, const DeviceLimit
                                at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
     if (counter) params.tile_counter = scheduler_ints.data_ptr<int>();
     if (order) {
-      params.batch_order = scheduler_ints.data_ptr<int>() + 1;
-      check_cuda_status(launch_longest_first_batch_order(params, scheduler_ints.data_ptr<int>() + 1, stream),
-                        "the batch-order kernel launch");
+      int* batch_order = scheduler_ints.data_ptr<int>() + 1;
+      params.batch_order = batch_order;
+      check_cuda_status(launch_longest_first_batch_order(params, batch_order, stream), "the batch-order kernel launch");
     }
   }
   cudaError_t status = cudaSuccess;
