@@ -22,7 +22,7 @@ import dataclasses
 import pytest
 import torch
 
-import flashattn_ext
+from cuda_inputs import hopper_build
 from flashattn_ext import flash_attn_with_kvcache, ops
 from kvcache_inputs import CASES, CASES_BY_NAME, KvcacheCase, KvcacheInputs, make_inputs, seqlens_values
 from reference import assert_error_rule, attention_reference
@@ -427,8 +427,7 @@ def test_long_chunks_run_the_dense_kernel(case_name, dense):
     """Where a call goes on a Hopper build: a long chunk on a contiguous cache to the dense
     wgmma forward (2.3 x the split kernel at 512 rows), a thin chunk and decoding to the
     split kernel. Read from the kernels the profiler saw launched."""
-    if not (torch.cuda.get_device_capability() == (9, 0) and
-            flashattn_ext.build_info().get("hopper_kernels") == "yes"):
+    if not hopper_build():
         pytest.skip("the dense chunk path needs the Hopper kernels")
     case = next(c for c in LONG_CUDA_CASES if c.name == case_name)
     inputs = make_inputs(case, torch.bfloat16, "cuda", 0)
