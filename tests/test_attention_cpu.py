@@ -216,6 +216,33 @@ def test_deterministic_backward_is_reproducible():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("case", [
+    AttentionCase("five_blocks_gqa_all_features", batch=1, seqlen_q=4 * 128 + 9, seqlen_k=4 * 128 + 30, nheads=4,
+                  nheads_kv=2, head_dim=32, causal=True, window=(200, -1), softcap=3.0, alibi="batch_nheads",
+                  sink=True, layout="mixed_strides"),
+    AttentionCase("five_blocks_mqa", batch=1, seqlen_q=5 * 128, seqlen_k=4 * 128 + 1, nheads=3, nheads_kv=1,
+                  head_dim=40),
+], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_does_not_depend_on_the_thread_count(case, dtype):
+    """One thread runs the backward in one pass per (batch entry, kv head); eight run these cases'
+    one or two (batch entry, kv head) pairs as two passes of smaller tasks, each pass with at
+    least eight. Both sum the same terms in the same order: the same bits, dropout's included."""
+    inputs = case.make(dtype, requires_grad=True)
+    names = NAMES + ((SINK_GRADIENT,) if case.sink else ())
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 8):
+            torch.set_num_threads(count)
+            torch.manual_seed(7)
+            results.append(run_flash_attn(inputs, dropout_p=0.25))
+    finally:
+        torch.set_num_threads(threads)
+    for name, one, many in zip(names, *results):
+        assert torch.equal(one, many), f"{case.name}: {name} differs between 1 and 8 threads"
+
+
 def test_lse_is_not_differentiable():
     inputs = CASES_BY_NAME["basic"].make(torch.float32, requires_grad=True)
     out, lse, _ = flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True)

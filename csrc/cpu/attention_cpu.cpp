@@ -10,15 +10,18 @@
 //             rescales its accumulator and adds P V; out = acc / l and
 //             lse = m + log l. The element mask is applied only to blocks that
 //             straddle a window boundary.
-//   backward  Recomputes P = exp(S - lse) block by block, in two passes whose
-//             tasks each own the output rows they write, so there are no races
-//             and the result does not depend on the thread count or schedule:
+//   backward  Recomputes P = exp(S - lse) block by block. Each task owns the output
+//             rows it writes, so there are no races and no atomics, and one of two
+//             ways runs it (the comment before dq_pass): where there are enough
+//             (batch, kv head) pairs to keep the threads busy, one pass per pair:
+//             per key block, dK and dV summed over the kv head's query-head group
+//             (GQA) and its query blocks, and each query block's dQ term added to
+//             the pair's dQ rows (5 block matmuls per block pair); else two passes
+//             of smaller tasks:
 //               1. per (batch, head, query block): D = rowsum(dout * out), dQ;
-//               2. per (batch, kv head, key block): dK and dV, summed over the
-//                  kv head's query-head group (GQA) and its query blocks.
-//             Pass 2 recomputes S and dP that pass 1 already had (7 block
-//             matmuls instead of 5): that is the price of determinism without
-//             atomics or per-thread seqlen-sized dQ partials.
+//               2. per (batch, kv head, key block): dK and dV,
+//             the second recomputing S and dP (7 block matmuls per pair). Both add
+//             the same terms in the same order: the same result.
 // Tasks go to at::parallel_for workers through a shared counter, one at a
 // time, so the uneven tasks of causal and windowed masks balance.
 //
@@ -426,6 +429,9 @@ struct Part {
   // Backward, per query row (batch, nheads, seqlen_q): the lse (log2 units) the
   // probabilities are recomputed from, and D = rowsum(dout * out).
   at::Tensor row_lse_log2, row_delta;
+  // fused_pass: where dq's rows add up, dq's shape in the accumulation dtype (dq itself
+  // when it has that dtype).
+  at::Tensor dq_sums;
 };
 
 // Rows [start, start + length) of one sequence of q's or k's side.
@@ -616,8 +622,124 @@ struct BackwardScratch {
         dropped_probs(at::empty({kBlockQ * kBlockK}, opts)) {}
 };
 
-// Backward pass 1: per (batch, head, query block), the row terms D and lse that
-// pass 2 reads, and dq.
+// The row terms of query rows [i0, i0 + rows) of head h that the block pairs read: D =
+// rowsum(dout * out) and the lse in log2 units, into the part's row_delta and row_lse_log2.
+template <typename acc_t>
+void compute_row_terms(const Part<acc_t>& part, BackwardScratch& scratch, int64_t b, int64_t h, int64_t i0,
+                       int64_t rows) {
+  const auto& [q, k, v, out, lse, dout, dq, dk, dv] = part.t;
+  const at::Tensor dout_rows = in_acc_dtype(head_rows(dout, b, h, i0, rows), scratch.dout);
+  at::Tensor delta = part.row_delta[b][h].narrow(0, i0, rows);
+  at::sum_out(delta, at::mul(dout_rows, head_rows(out, b, h, i0, rows)), 1);
+  at::Tensor block_lse_log2 = part.row_lse_log2[b][h].narrow(0, i0, rows);
+  at::mul_out(block_lse_log2, lse[b][h].narrow(0, i0, rows), M_LOG2E);
+}
+
+// One block pair of the backward: query rows [i0, i0 + rows) of head h against key rows [j0,
+// j0 + cols) of its kv head, whose rows the caller has put in scratch (q scaled by qk_scale in
+// scratch.q, dout, k and v in the accumulation dtype). Leaves the probabilities P V took (the
+// dropped ones with dropout) in `probs` and the gradient with respect to q_scaled k^T, up to
+// dk_scale, in `dscores`.
+template <typename acc_t>
+struct BlockPairGradients {
+  at::Tensor probs, dscores;
+};
+
+template <typename acc_t>
+BlockPairGradients<acc_t> block_pair_gradients(const Part<acc_t>& part, BackwardScratch& scratch,
+                                               const at::Tensor& q_scaled, const at::Tensor& dout_rows,
+                                               const at::Tensor& k_rows, const at::Tensor& v_rows, int64_t b,
+                                               int64_t h, int64_t i0, int64_t j0) {
+  const Problem<acc_t>& pb = part.pb;
+  const int64_t rows = q_scaled.size(0), cols = k_rows.size(0);
+  at::Tensor probs = block_of(scratch.scores, rows, cols);
+  at::Tensor tanh_scores = block_of(scratch.tanh_scores, rows, cols);
+  compute_scores(pb, q_scaled, k_rows, b, h, i0, j0, probs, &tanh_scores);
+  probabilities_from_scores(probs, part.row_lse_log2[b][h].narrow(0, i0, rows));
+  at::Tensor dprobs = block_of(scratch.dprobs, rows, cols);
+  at::mm_out(dprobs, dout_rows, v_rows.t());
+  // P V took the dropped probabilities; the softmax derivative takes the undropped ones.
+  at::Tensor output_probs = probs;
+  if (pb.dropout) {
+    at::Tensor keep_scale = block_of(scratch.keep_scale, rows, cols);
+    dropout_keep_scales(pb, b, h, i0, j0, keep_scale);
+    dprobs.mul_(keep_scale);
+    at::Tensor dropped = block_of(scratch.dropped_probs, rows, cols);
+    output_probs = at::mul_out(dropped, probs, keep_scale);
+  }
+  score_gradient(pb, dprobs, probs, part.row_delta[b][h].narrow(0, i0, rows), tanh_scores);
+  return {output_probs, dprobs};
+}
+
+// q rows [i0, i0 + rows) of head h scaled by qk_scale, and its dout rows, in the accumulation
+// dtype in scratch.
+template <typename acc_t>
+std::pair<at::Tensor, at::Tensor> query_side_rows(const Part<acc_t>& part, BackwardScratch& scratch, int64_t b,
+                                                  int64_t h, int64_t i0, int64_t rows) {
+  const int64_t d = part.pb.head_dim;
+  at::Tensor q_scaled = block_of(scratch.q, rows, d);
+  q_scaled.copy_(head_rows(part.t.q, b, h, i0, rows)).mul_(part.pb.qk_scale);
+  return {q_scaled, in_acc_dtype(head_rows(part.t.dout, b, h, i0, rows), scratch.dout)};
+}
+
+// A key's dk and dv are sums over up to group_size * seqlen_q query rows whose terms are not
+// normalised (unlike dq's, whose weights are one row of P), so the sums grow like a random
+// walk. Added block after block into one fp32 accumulator, every addition rounded at the
+// running sum's size: with thousands of rows against a few keys (GQA) the error reached 4-25x
+// PyTorch's fp32 error. So each query block's product (a BLAS sum of kBlockQ rows) goes into an
+// fp64 accumulator, whose own rounding is negligible at any length. fp32 partials of 4 or 8
+// blocks each, added in fp64, were still up to 3.5x PyTorch's error on one key seen by 16384
+// rows.
+struct KeyBlockScratch : BackwardScratch {
+  at::Tensor dk_sums, dv_sums;  // fp64
+
+  KeyBlockScratch(const at::TensorOptions& opts, int64_t d)
+      : BackwardScratch(opts, d),
+        dk_sums(at::empty({kBlockK * d}, opts.dtype(at::kDouble))),
+        dv_sums(at::empty({kBlockK * d}, opts.dtype(at::kDouble))) {}
+};
+
+// dk and dv of key rows [j0, j0 + kBlockK) of kv head kv_head of batch entry b, summed over
+// the kv head's query heads and, per head, the query blocks that see one of the keys; each
+// block pair's gradients also go to with_pair(h, i0, rows, pair, k_rows).
+template <typename acc_t, typename WithPair>
+void key_block_gradients(const Part<acc_t>& part, KeyBlockScratch& scratch, int64_t b, int64_t kv_head, int64_t j0,
+                         const WithPair& with_pair) {
+  const Problem<acc_t>& pb = part.pb;
+  const int64_t d = pb.head_dim, cols = std::min(kBlockK, pb.seqlen_k - j0);
+  const at::Tensor k_rows = in_acc_dtype(head_rows(part.t.k, b, kv_head, j0, cols), scratch.k);
+  const at::Tensor v_rows = in_acc_dtype(head_rows(part.t.v, b, kv_head, j0, cols), scratch.v);
+  at::Tensor dk_sums = block_of(scratch.dk_sums, cols, d).zero_();
+  at::Tensor dv_sums = block_of(scratch.dv_sums, cols, d).zero_();
+  at::Tensor block_product = block_of(scratch.acc, cols, d);
+  for (int64_t h = kv_head * pb.group_size(); h < (kv_head + 1) * pb.group_size(); ++h) {
+    for_each_query_block(pb, j0, cols, [&](int64_t i0, int64_t rows) {
+      const auto [q_scaled, dout_rows] = query_side_rows(part, scratch, b, h, i0, rows);
+      const auto pair = block_pair_gradients(part, scratch, q_scaled, dout_rows, k_rows, v_rows, b, h, i0, j0);
+      with_pair(h, i0, rows, pair, k_rows);
+      add_to_fp64<acc_t>(dv_sums, at::mm_out(block_product, pair.probs.t(), dout_rows));
+      add_to_fp64<acc_t>(dk_sums, at::mm_out(block_product, pair.dscores.t(), q_scaled));
+    });
+  }
+  head_rows(part.t.dk, b, kv_head, j0, cols).copy_(dk_sums.mul_(pb.dk_scale));
+  head_rows(part.t.dv, b, kv_head, j0, cols).copy_(dv_sums);
+}
+
+// Two ways to run the backward, one result: the same block pairs (but for some wholly masked
+// ones, which add zeros), the same sums in the same order (dq over key blocks in ascending
+// order, dk and dv over the group's heads and then their query blocks), each task owning the
+// output rows it writes, so the result depends on neither the way nor the schedule. Nor on the
+// thread count, but where a pass has a single task: that runs on the calling thread, whose
+// BLAS calls may use every thread and round differently.
+//  - two passes (dq_pass, then dkdv_pass) with many small tasks: per (batch, head, query
+//    block) the row terms and dq; then per (batch, kv head, key block) dk and dv. The second
+//    recomputes S, P and dP: 7 block matmuls per pair.
+//  - one pass (fused_pass) per (batch, kv head): its heads' row terms, then per key block
+//    dk, dv and every query block's dq term at once, 5 matmuls per pair, dq's sums in dq
+//    itself (or a copy of it in the accumulation dtype: no memory per thread). Fewer,
+//    larger tasks: taken where they keep every thread busy (use_fused_pass).
+
+// Backward pass 1 of 2: per (batch, head, query block), the row terms and dq.
 template <typename acc_t>
 void dq_pass(const std::vector<Part<acc_t>>& parts, double softmax_scale) {
   const auto tasks_of = [](const Problem<acc_t>& pb) { return num_query_block_tasks(pb); };
@@ -628,111 +750,86 @@ void dq_pass(const std::vector<Part<acc_t>>& parts, double softmax_scale) {
     const Part<acc_t>* part;
     for (int64_t task; next_task(part, task);) {
       const Problem<acc_t>& pb = part->pb;
-      const auto& [q, k, v, out, lse, dout, dq, dk, dv] = part->t;
-      const at::Tensor& row_lse_log2 = part->row_lse_log2;
-      const at::Tensor& row_delta = part->row_delta;
       const QueryBlockTask t(pb, task);
       const int64_t kv_head = t.h / pb.group_size();
-      at::Tensor q_scaled = block_of(scratch.q, t.rows, d);
-      q_scaled.copy_(head_rows(q, t.b, t.h, t.i0, t.rows)).mul_(pb.qk_scale);
-      const at::Tensor dout_rows = in_acc_dtype(head_rows(dout, t.b, t.h, t.i0, t.rows), scratch.dout);
-      at::Tensor delta = row_delta[t.b][t.h].narrow(0, t.i0, t.rows);
-      at::sum_out(delta, at::mul(dout_rows, head_rows(out, t.b, t.h, t.i0, t.rows)), 1);
-
-      at::Tensor block_lse_log2 = row_lse_log2[t.b][t.h].narrow(0, t.i0, t.rows);
-      at::mul_out(block_lse_log2, lse[t.b][t.h].narrow(0, t.i0, t.rows), M_LOG2E);
-
+      compute_row_terms(*part, scratch, t.b, t.h, t.i0, t.rows);
+      const auto [q_scaled, dout_rows] = query_side_rows(*part, scratch, t.b, t.h, t.i0, t.rows);
       at::Tensor dq_acc = block_of(scratch.acc, t.rows, d).zero_();
       for_each_key_block(pb, t.i0, t.rows, [&](int64_t j0, int64_t cols) {
-        const at::Tensor k_rows = in_acc_dtype(head_rows(k, t.b, kv_head, j0, cols), scratch.k);
-        const at::Tensor v_rows = in_acc_dtype(head_rows(v, t.b, kv_head, j0, cols), scratch.v);
-        at::Tensor probs = block_of(scratch.scores, t.rows, cols);
-        at::Tensor tanh_scores = block_of(scratch.tanh_scores, t.rows, cols);
-        compute_scores(pb, q_scaled, k_rows, t.b, t.h, t.i0, j0, probs, &tanh_scores);
-        probabilities_from_scores(probs, block_lse_log2);
-        at::Tensor dprobs = block_of(scratch.dprobs, t.rows, cols);
-        at::mm_out(dprobs, dout_rows, v_rows.t());
-        if (pb.dropout) {
-          at::Tensor keep_scale = block_of(scratch.keep_scale, t.rows, cols);
-          dropout_keep_scales(pb, t.b, t.h, t.i0, j0, keep_scale);
-          dprobs.mul_(keep_scale);
-        }
-        score_gradient(pb, dprobs, probs, delta, tanh_scores);
-        dq_acc.addmm_(dprobs, k_rows);
+        const at::Tensor k_rows = in_acc_dtype(head_rows(part->t.k, t.b, kv_head, j0, cols), scratch.k);
+        const at::Tensor v_rows = in_acc_dtype(head_rows(part->t.v, t.b, kv_head, j0, cols), scratch.v);
+        const auto g = block_pair_gradients(*part, scratch, q_scaled, dout_rows, k_rows, v_rows, t.b, t.h, t.i0, j0);
+        dq_acc.addmm_(g.dscores, k_rows);
       });
       // qk_scale * dk_scale is softmax_scale, with the cap or without.
-      head_rows(dq, t.b, t.h, t.i0, t.rows).copy_(dq_acc.mul_(softmax_scale));
+      head_rows(part->t.dq, t.b, t.h, t.i0, t.rows).copy_(dq_acc.mul_(softmax_scale));
     }
   });
 }
 
-// Backward pass 2: per (batch, kv head, key block), dk and dv summed over the
-// kv head's query-head group. Tasks go in key-block order, heaviest first under
-// causal masking (early keys are seen by most queries).
-//
-// A key's dk and dv are sums over up to group_size * seqlen_q query rows whose
-// terms are not normalised (unlike dq's, whose weights are one row of P), so
-// the sums grow like a random walk. Added block after block into one fp32
-// accumulator, every addition rounded at the running sum's size: with
-// thousands of rows against a few keys (GQA) the error reached 4-25x PyTorch's
-// fp32 error. So each query block's product (a BLAS sum of kBlockQ rows) goes
-// into an fp64 accumulator, whose own rounding is negligible at any length.
-// fp32 partials of 4 or 8 blocks each, added in fp64, were still up to 3.5x
-// PyTorch's error on one key seen by 16384 rows.
+// Backward pass 2 of 2: per (batch, kv head, key block), dk and dv summed over the kv head's
+// query-head group. Tasks go in key-block order, heaviest first under causal masking (early
+// keys are seen by most queries).
 template <typename acc_t>
 void dkdv_pass(const std::vector<Part<acc_t>>& parts) {
   const auto tasks_of = [](const Problem<acc_t>& pb) { return num_key_block_tasks(pb); };
   run_part_tasks(parts, tasks_of, [&](const auto& next_task) {
-    const int64_t d = parts.front().pb.head_dim;
-    BackwardScratch scratch(parts.front().pb.acc_options, d);
-    const at::TensorOptions wide_options = parts.front().pb.acc_options.dtype(at::kDouble);
-    const at::Tensor dk_scratch = at::empty({kBlockK * d}, wide_options);
-    const at::Tensor dv_scratch = at::empty({kBlockK * d}, wide_options);
-
+    KeyBlockScratch scratch(parts.front().pb.acc_options, parts.front().pb.head_dim);
     const Part<acc_t>* part;
     for (int64_t task; next_task(part, task);) {
       const Problem<acc_t>& pb = part->pb;
-      const auto& [q, k, v, out, lse, dout, dq, dk, dv] = part->t;
       const int64_t num_kv_heads = pb.batch * pb.nheads_kv;
-      const int64_t b = task % num_kv_heads / pb.nheads_kv;
-      const int64_t kv_head = task % num_kv_heads % pb.nheads_kv;
-      const int64_t j0 = task / num_kv_heads * kBlockK;
-      const int64_t cols = std::min(kBlockK, pb.seqlen_k - j0);
-      const at::Tensor k_rows = in_acc_dtype(head_rows(k, b, kv_head, j0, cols), scratch.k);
-      const at::Tensor v_rows = in_acc_dtype(head_rows(v, b, kv_head, j0, cols), scratch.v);
-      at::Tensor dk_acc = block_of(dk_scratch, cols, d).zero_();
-      at::Tensor dv_acc = block_of(dv_scratch, cols, d).zero_();
-      at::Tensor block_product = block_of(scratch.acc, cols, d);
-
-      for (int64_t h = kv_head * pb.group_size(); h < (kv_head + 1) * pb.group_size(); ++h) {
-        for_each_query_block(pb, j0, cols, [&](int64_t i0, int64_t rows) {
-          at::Tensor q_scaled = block_of(scratch.q, rows, d);
-          q_scaled.copy_(head_rows(q, b, h, i0, rows)).mul_(pb.qk_scale);
-          const at::Tensor dout_rows = in_acc_dtype(head_rows(dout, b, h, i0, rows), scratch.dout);
-          at::Tensor probs = block_of(scratch.scores, rows, cols);
-          at::Tensor tanh_scores = block_of(scratch.tanh_scores, rows, cols);
-          compute_scores(pb, q_scaled, k_rows, b, h, i0, j0, probs, &tanh_scores);
-          probabilities_from_scores(probs, part->row_lse_log2[b][h].narrow(0, i0, rows));
-          at::Tensor dprobs = block_of(scratch.dprobs, rows, cols);
-          at::mm_out(dprobs, dout_rows, v_rows.t());
-          // dv takes the probabilities P V took (dropped); the softmax derivative the undropped ones.
-          at::Tensor output_probs = probs;
-          if (pb.dropout) {
-            at::Tensor keep_scale = block_of(scratch.keep_scale, rows, cols);
-            dropout_keep_scales(pb, b, h, i0, j0, keep_scale);
-            dprobs.mul_(keep_scale);
-            at::Tensor dropped = block_of(scratch.dropped_probs, rows, cols);
-            output_probs = at::mul_out(dropped, probs, keep_scale);
-          }
-          add_to_fp64<acc_t>(dv_acc, at::mm_out(block_product, output_probs.t(), dout_rows));
-          score_gradient(pb, dprobs, probs, part->row_delta[b][h].narrow(0, i0, rows), tanh_scores);
-          add_to_fp64<acc_t>(dk_acc, at::mm_out(block_product, dprobs.t(), q_scaled));
-        });
-      }
-      head_rows(dk, b, kv_head, j0, cols).copy_(dk_acc.mul_(pb.dk_scale));
-      head_rows(dv, b, kv_head, j0, cols).copy_(dv_acc);
+      key_block_gradients(*part, scratch, task % num_kv_heads / pb.nheads_kv, task % num_kv_heads % pb.nheads_kv,
+                          task / num_kv_heads * kBlockK, [](auto&&...) {});
     }
   });
+}
+
+// The whole backward in one pass: per (batch, kv head), the row terms of its heads, then per
+// key block (ascending, as dq_pass adds them) dk and dv as dkdv_pass sums them, and each
+// query block's dq term added to its rows of dq_sums, as dq_pass accumulates them.
+template <typename acc_t>
+void fused_pass(const std::vector<Part<acc_t>>& parts, double softmax_scale) {
+  const auto tasks_of = [](const Problem<acc_t>& pb) { return pb.batch * pb.nheads_kv; };
+  run_part_tasks(parts, tasks_of, [&](const auto& next_task) {
+    KeyBlockScratch scratch(parts.front().pb.acc_options, parts.front().pb.head_dim);
+    const Part<acc_t>* part;
+    for (int64_t task; next_task(part, task);) {
+      const Problem<acc_t>& pb = part->pb;
+      const int64_t b = task / pb.nheads_kv, kv_head = task % pb.nheads_kv;
+      const int64_t first_head = kv_head * pb.group_size(), end_head = first_head + pb.group_size();
+      for (int64_t h = first_head; h < end_head; ++h) {
+        head_rows(part->dq_sums, b, h, 0, pb.seqlen_q).zero_();
+        for (int64_t i0 = 0; i0 < pb.seqlen_q; i0 += kBlockQ)
+          compute_row_terms(*part, scratch, b, h, i0, std::min(kBlockQ, pb.seqlen_q - i0));
+      }
+      for (int64_t j0 = 0; j0 < pb.seqlen_k; j0 += kBlockK)
+        key_block_gradients(*part, scratch, b, kv_head, j0,
+                            [&](int64_t h, int64_t i0, int64_t rows, const auto& pair, const at::Tensor& k_rows) {
+                              head_rows(part->dq_sums, b, h, i0, rows).addmm_(pair.dscores, k_rows);
+                            });
+      for (int64_t h = first_head; h < end_head; ++h) {
+        at::Tensor sums = head_rows(part->dq_sums, b, h, 0, pb.seqlen_q).mul_(softmax_scale);
+        if (!part->dq_sums.is_same(part->t.dq)) head_rows(part->t.dq, b, h, 0, pb.seqlen_q).copy_(sums);
+      }
+    }
+  });
+}
+
+// Whether fused_pass's tasks, one per (part, batch entry, kv head), keep every thread busy for
+// about as long as the two passes' would: its 5 matmuls per block pair against their 7, with
+// the longest task bounding the time. Costs in block pairs of the unmasked problem.
+template <typename acc_t>
+bool use_fused_pass(const std::vector<Part<acc_t>>& parts) {
+  double total = 0, longest = 0;
+  for (const Part<acc_t>& part : parts) {
+    const Problem<acc_t>& pb = part.pb;
+    const double task = double(pb.group_size()) * ceil_div(pb.seqlen_q, kBlockQ) * ceil_div(pb.seqlen_k, kBlockK);
+    total += task * pb.batch * pb.nheads_kv;
+    longest = std::max(longest, task);
+  }
+  const double threads = at::get_num_threads();
+  return 5 * std::max(longest, total / threads) <= 7 * (total / threads);
 }
 
 // dsink[b, h] = -sum_i exp(sink_h - lse_i) D_i over the rows i of head h of batch entry b:
@@ -845,7 +942,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu_with_options(const at::
 }
 
 BackwardGradients attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
-  // Both passes are deterministic whatever `deterministic` says.
+  // Deterministic whatever `deterministic` says (fused_pass and dq_pass's comments say why).
   static_cast<void>(deterministic);
   const AttentionOptions opts =
       make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
@@ -866,8 +963,15 @@ BackwardGradients attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
       part.row_lse_log2 = at::empty({pb.batch, pb.nheads_q, pb.seqlen_q}, pb.acc_options);
       part.row_delta = at::empty_like(part.row_lse_log2);
     }
-    dq_pass(parts, softmax_scale);
-    dkdv_pass(parts);
+    if (use_fused_pass(parts)) {
+      for (auto& part : parts)
+        part.dq_sums = part.t.dq.scalar_type() == part.pb.acc_options.dtype() ? part.t.dq
+                                                                              : at::empty_like(part.t.dq, part.pb.acc_options);
+      fused_pass(parts, softmax_scale);
+    } else {
+      dq_pass(parts, softmax_scale);
+      dkdv_pass(parts);
+    }
     if (learnable_sink) sink_gradient(parts, *learnable_sink, dsink);
   };
   if (q.scalar_type() == at::kDouble) {
