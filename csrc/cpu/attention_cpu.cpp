@@ -236,7 +236,11 @@ at::Tensor in_acc_dtype(const at::Tensor& rows, const at::Tensor& scratch) {
 
 // Runs worker(next_task) on each intra-op thread; next_task(task) hands out the
 // tasks [0, num_tasks) one at a time, so tasks of uneven cost (causal) balance.
-// Each task owns the output rows it writes, so which thread runs it is invisible.
+// Each task owns the output rows it writes, so which thread runs it is invisible. A
+// single task still gets two workers (one idle) where there are two threads: run on the
+// calling thread, outside a parallel region, its BLAS calls would use every thread and
+// round differently from the one-thread BLAS of a worker, and the result would depend on
+// the thread count.
 template <typename Worker>
 void run_tasks(int64_t num_tasks, const Worker& worker) {
   std::atomic<int64_t> next{0};
@@ -244,7 +248,7 @@ void run_tasks(int64_t num_tasks, const Worker& worker) {
     task = next.fetch_add(1, std::memory_order_relaxed);
     return task < num_tasks;
   };
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1,
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks == 1 ? 2 : num_tasks), 1,
                    [&](int64_t, int64_t) {
                      // Worker threads do not inherit the caller's dispatch state; the
                      // block math must not be recorded by autograd.
@@ -728,9 +732,8 @@ void key_block_gradients(const Part<acc_t>& part, KeyBlockScratch& scratch, int6
 // Two ways to run the backward, one result: the same block pairs (but for some wholly masked
 // ones, which add zeros), the same sums in the same order (dq over key blocks in ascending
 // order, dk and dv over the group's heads and then their query blocks), each task owning the
-// output rows it writes, so the result depends on neither the way nor the schedule. Nor on the
-// thread count, but where a pass has a single task: that runs on the calling thread, whose
-// BLAS calls may use every thread and round differently.
+// output rows it writes, so the result depends on neither the way, the schedule nor the thread
+// count.
 //  - two passes (dq_pass, then dkdv_pass) with many small tasks: per (batch, head, query
 //    block) the row terms and dq; then per (batch, kv head, key block) dk and dv. The second
 //    recomputes S, P and dP: 7 block matmuls per pair.
