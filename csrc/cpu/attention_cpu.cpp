@@ -644,16 +644,15 @@ void compute_row_terms(const Part<acc_t>& part, BackwardScratch& scratch, int64_
 // scratch.q, dout, k and v in the accumulation dtype). Leaves the probabilities P V took (the
 // dropped ones with dropout) in `probs` and the gradient with respect to q_scaled k^T, up to
 // dk_scale, in `dscores`.
-template <typename acc_t>
 struct BlockPairGradients {
   at::Tensor probs, dscores;
 };
 
 template <typename acc_t>
-BlockPairGradients<acc_t> block_pair_gradients(const Part<acc_t>& part, BackwardScratch& scratch,
-                                               const at::Tensor& q_scaled, const at::Tensor& dout_rows,
-                                               const at::Tensor& k_rows, const at::Tensor& v_rows, int64_t b,
-                                               int64_t h, int64_t i0, int64_t j0) {
+BlockPairGradients block_pair_gradients(const Part<acc_t>& part, BackwardScratch& scratch,
+                                        const at::Tensor& q_scaled, const at::Tensor& dout_rows,
+                                        const at::Tensor& k_rows, const at::Tensor& v_rows, int64_t b, int64_t h,
+                                        int64_t i0, int64_t j0) {
   const Problem<acc_t>& pb = part.pb;
   const int64_t rows = q_scaled.size(0), cols = k_rows.size(0);
   at::Tensor probs = block_of(scratch.scores, rows, cols);
@@ -837,7 +836,7 @@ bool use_fused_pass(const std::vector<Part<acc_t>>& parts) {
 
 // dsink[b, h] = -sum_i exp(sink_h - lse_i) D_i over the rows i of head h of batch entry b:
 // the sink's probability times the gradient with respect to its logit, dP_sink - D = -D
-// (it adds no value to out). Summed in fp64 from the rows' lse and D that dq_pass left.
+// (it adds no value to out). Summed in fp64 from the rows' lse and D that compute_row_terms left.
 template <typename acc_t>
 void sink_gradient(const std::vector<Part<acc_t>>& parts, const at::Tensor& learnable_sink,
                    at::Tensor& dsink) {
@@ -945,7 +944,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu_with_options(const at::
 }
 
 BackwardGradients attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
-  // Deterministic whatever `deterministic` says (fused_pass and dq_pass's comments say why).
+  // Deterministic whatever `deterministic` says (the comment before dq_pass says why).
   static_cast<void>(deterministic);
   const AttentionOptions opts =
       make_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
@@ -967,9 +966,10 @@ BackwardGradients attention_backward_cpu(FLASHATTN_BACKWARD_ARGS) {
       part.row_delta = at::empty_like(part.row_lse_log2);
     }
     if (use_fused_pass(parts)) {
-      for (auto& part : parts)
-        part.dq_sums = part.t.dq.scalar_type() == part.pb.acc_options.dtype() ? part.t.dq
-                                                                              : at::empty_like(part.t.dq, part.pb.acc_options);
+      for (auto& part : parts) {
+        const bool dq_has_acc_dtype = part.t.dq.scalar_type() == part.pb.acc_options.dtype();
+        part.dq_sums = dq_has_acc_dtype ? part.t.dq : at::empty_like(part.t.dq, part.pb.acc_options);
+      }
       fused_pass(parts, softmax_scale);
     } else {
       dq_pass(parts, softmax_scale);
