@@ -20,7 +20,7 @@
 //   dV += Pᵀ dO                               (wgmma RS: Pᵀ from registers, the accumulator
 //                                              layout being the A fragment; dO MN-major from
 //                                              shared memory)
-//   dSᵀ → shared memory, then, after both warpgroups wrote theirs (named barrier):
+//   dSᵀ → shared memory; in the next iteration (lagged), once both warpgroups' dSᵀ are there:
 //   dQ[:, half] = dS K[:, half]               (wgmma SS, M = 64 queries, N = W / 2, K = all
 //                                              kBlockN keys, A = dSᵀ and B = K both MN-major;
 //                                              with 128 queries warpgroup c takes queries
@@ -28,8 +28,8 @@
 //                                              with 80, dQᵀ[half] = K[:, half]ᵀ dSᵀ, M = the
 //                                              warpgroup's 64 columns, N = 80, the score tile
 //                                              swizzled in 32-byte rows as the MN-major B)
-//   dK += dSᵀ Q                               (wgmma RS as dV's; issued after dQ, it runs while
-//                                              dQ is stored: issue_dk)
+//   dK += dSᵀ Q                               (wgmma RS as dV's; issued after the previous query
+//                                              block's dQ, it runs while that is stored: issue_dk)
 //   dQ → shared memory (fp32, dq_accum's 8 x 8 tiles), then dQ_accum += dQ by one bulk reduction
 //                                             (cp.reduce.async.bulk .add.f32) that a warp of the
 //                                             producer warpgroup issues, the dQ writer
@@ -46,26 +46,36 @@
 //
 // Splitting dQ by head-dim halves between the warpgroups, rather than by keys, adds each
 // element to the workspace once per key block instead of twice, and keeps the dQ accumulator at
-// W / 4 registers. The score tiles are double-buffered: a warpgroup waits for its own products
-// of them before the next block's barrier, so once it passes that barrier the other buffer is
-// free of both warpgroups.
+// W / 4 registers. By keys (Shape::kLaggedDq, but at 80 queries), a warpgroup's dQ of a query
+// block runs an iteration late, after its next block's dV and dK: then the warpgroups wait for
+// each other only at the scores of the next block (the other's previous iteration done, mbarrier
+// score_buffer_done), not at one point of every iteration, and one's exponentials can run under
+// the other's products (with a named barrier before dQ, both left it together): +5-11 % at d 64,
+// +1-5 % at d 128 causal, N 4096-16384 (H100); at 80 queries (dQᵀ) -2 to -10 %, so that tile
+// keeps the barrier. The score tiles are double-buffered: an iteration's dSᵀ goes to one buffer
+// while the previous block's dQ reads the other. Without the lag, a warpgroup waits for its own
+// products of a buffer before the next block's named barrier, so once it passes that barrier the
+// other buffer is free of both warpgroups.
 //
 // Producer: one thread issues the TMA copies, K and V once, then per query block Q and dO (4-d
 // maps, 128-byte swizzle, zero fill past the tensor's rows and past head_dim) into a ring of kStages
 // stages, completing on "full" mbarriers; a stage is reused once all 8 consumer warps have
 // arrived on its "empty" mbarrier. The dQ writer (by keys) waits on the named barrier
 // kDqFullBarrier for the consumers' dQ tile, adds it to the workspace with one bulk reduction
-// and, once that has read the tile, arrives on kDqEmptyBarrier, which the consumers wait on
-// before they store the next one. Per-thread atomics instead (v1, v2) stalled the consumers on
-// the load/store queue with all 8 warps at the same point; one bulk add per row (64 of them
-// per block) instead was limited by the copy engine's rate of operations (d 64 lost 28 %).
+// and, once that has read the tile, arrives on the mbarrier dq_empty, which the consumers wait
+// on before they store the next one (a named barrier there made both warpgroups meet). Per-thread
+// atomics instead (v1, v2) stalled the consumers on the load/store queue with all 8 warps at the
+// same point; one bulk add per row (64 of them per block) instead was limited by the copy
+// engine's rate of operations (d 64 lost 28 %).
 // With variable-length q, two tail zeroer warps zero the rows of Q and dO that a straddling
 // query block's copies bring from past its sequence's end.
 //
-// lse2 and D of a query block: 128 consumer threads load one value each from the workspaces an
-// iteration ahead, at its start, and store it into the other of two buffers just before that
-// iteration's named barrier, which orders the stores before the next iteration's reads (and
-// every read of the buffer, two iterations back, before the stores). Tried and dropped: reading
+// lse2 and D of a query block: 2 kBlockM consumer threads load one value each from the workspaces
+// an iteration ahead, at its start, and store it into the other of two buffers before the
+// iteration's named barrier or, with the lagged dQ, its arrival on score_buffer_done, which
+// orders the stores before the next iteration's reads (and every read of the buffer, two
+// iterations back, before the stores). Each warpgroup's own copy under a named barrier of its
+// 128 threads instead cost 2-5 % at d 256 (H100). Tried and dropped: reading
 // them from global memory where they are used (the latency shows after Sᵀ: 12-15 % slower at
 // W = 64 / 128) and copying them into the TMA stages (bulk copies, or the producer warp's
 // stores): as fast, but ordered only by the mbarriers, which compute-sanitizer's racecheck does
@@ -116,7 +126,8 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, bool kSplitHeadDim_, int kStages_ = 2, int kBlockM_ = 64, bool kDkAfterDq_ = true>
+template <int kHeadDim_, bool kSplitHeadDim_, int kStages_ = 2, int kBlockM_ = 64, bool kDkAfterDq_ = true,
+          bool kLaggedDq_ = true>
 struct Sm90BackwardShape {
   static constexpr int kHeadDim = kHeadDim_;  // the head-dim tile W
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
@@ -166,10 +177,15 @@ struct Sm90BackwardShape {
   // dQ of a query block in fp32, laid out as dq_accum is (its 8 x 8 tiles), for one bulk add (by
   // keys only: by head dims it would take 64 KB more than there is).
   static constexpr bool kDqThroughSharedMemory = !kSplitHeadDim;
+  // By keys, each warpgroup's dQ product reads the dSᵀ of both. Lagged, it runs an iteration
+  // late, so that the warpgroups need not meet at one point of every iteration (the kernel's
+  // loop); else after a named barrier of both, as by head dims.
+  static constexpr bool kLaggedDq = kLaggedDq_ && !kSplitHeadDim;
   static constexpr int kDqBytes = kBlockM * kHeadDim * 4;
   static constexpr int kOffDq = kOffD + 2 * kRowStatBytes;
   static constexpr int kOffBarriers = kOffDq + (kDqThroughSharedMemory ? kDqBytes : 0);
-  static constexpr int kBarriers = 1 + 2 * kStages;  // K/V full; per stage full, empty
+  // K/V full; per stage full, empty; by keys, per score buffer "done" and the dQ tile's "empty".
+  static constexpr int kBarriers = 1 + 2 * kStages + (kDqThroughSharedMemory ? 1 : 0) + (kLaggedDq ? 2 : 0);
   static constexpr int kSmemBytes = sm90::kSwizzleAtomBytes + kOffBarriers + 8 * kBarriers;
   static constexpr int kStageBytes = 2 * kQBytes;  // TMA bytes per stage
 
@@ -187,6 +203,7 @@ struct Sm90BackwardShape {
   static_assert(kOffDq % 16 == 0, "bulk adds read 16-byte aligned shared memory");
   static_assert(kOffScores % 1024 == 0 && kScoreBytes % 1024 == 0, "score tiles start on a swizzle pattern");
   static_assert(kDqThroughSharedMemory || !kDqTransposed, "dQᵀ is added through the transposed tile");
+  static_assert(!kLaggedDq || kDqThroughSharedMemory, "the lagged dQ is handed to the dQ writer");
   static_assert(kDkAfterDq || !kSplitHeadDim, "by head dims dK reads dSᵀ from shared memory, written before the barrier");
   static_assert(kSmemBytes <= 227 * 1024, "fits the shared memory of an sm_90 block");
   static_assert(kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters <=
@@ -333,6 +350,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const uint32_t kv_full = barriers;
   const auto full = [&](int stage) { return barriers + 8 * (1 + stage); };
   const auto empty = [&](int stage) { return barriers + 8 * (1 + kStages + stage); };
+  // By keys: every consumer thread has finished the iteration that wrote score buffer `buf` (its
+  // dSᵀ is there, its dQ product of the iteration before is complete); the dQ writer has read
+  // the dQ tile.
+  const uint32_t dq_empty = barriers + 8 * (1 + 2 * kStages);
+  const auto score_buffer_done = [&](int buf) { return barriers + 8 * (2 + 2 * kStages + buf); };
 
   const bool last_key_block_first = dq_adds_last_key_block_first(p);
   const BackwardBlock blk(p, BM, BN, p.deterministic && last_key_block_first);
@@ -381,6 +403,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::mbarrier_init(full(st), 1);
       sm90::mbarrier_init(empty(st), Shape::kConsumerWarps);
     }
+    if (Shape::kDqThroughSharedMemory) sm90::mbarrier_init(dq_empty, 1);
+    if (Shape::kLaggedDq) {
+      sm90::mbarrier_init(score_buffer_done(0), Shape::kConsumerThreads);
+      sm90::mbarrier_init(score_buffer_done(1), Shape::kConsumerThreads);
+    }
     sm90::mbarrier_init_fence();
   }
   __syncthreads();
@@ -427,9 +454,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
           sm90::bulk_reduce_add_f32(dq_workspace_block(it), dq_smem, row_groups * 8 * W * 4);
           sm90::bulk_commit_group();
           sm90::bulk_wait_sources_read<0>();
+          if (it + 1 < num_iters) sm90::mbarrier_arrive(dq_empty);
         }
         __syncwarp();
-        if (it + 1 < num_iters) sm90::named_barrier_arrive(sm90::kDqEmptyBarrier, kDqBarrierThreads);
         if (p.deterministic && issuer) {
           sm90::bulk_wait<0>();
           sm90::fence_async_proxy_global();
@@ -518,8 +545,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   using sm90::k_major_descriptor;
   using sm90::mn_major_descriptor;
 
-  // This thread's share of the lse2 / D prefetch: value `stat_index` of a block's 64 lse2
-  // (0..63) or 64 D (64..127); threads 128.. have none.
+  // This thread's share of the lse2 / D prefetch: value `stat_index` of a block's lse2 (0..BM-1)
+  // or D (BM..2 BM-1); threads 128 + 2 BM.. have none. Stored into the buffer of the next
+  // iteration where this one's last read of it is done; the named barrier before dQ orders the
+  // stores before the next iteration's reads, or with the lagged dQ score_buffer_done does.
   const int stat_index = threadIdx.x - 128;
   const auto fetch_row_stat = [&](int it) {
     const int64_t row = workspace_sequence + head_of(it) * p.workspace_head_stride + query_block_start(it);
@@ -548,6 +577,75 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     }
     sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
   }
+
+  // dQ of query block `it` from its dSᵀ in score buffer `buf`, and its hand-over: to the dQ
+  // writer through the shared-memory tile (by keys), or by atomics (by head dims).
+  const auto issue_dq = [&](float(&dq)[Shape::kDqN / 2], int buf) {
+    const uint32_t ds_tile = base + score_offset(buf, 0);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      constexpr int kScoreRow = Shape::kScoreRowBytes;
+      const uint64_t ds_operand = mn_major_descriptor<kScoreRow>(
+          ds_tile + (dq_query0 / (kScoreRow / 2) * BN + kk * 16) * kScoreRow, BN);
+      const uint64_t k_operand = mn_major_descriptor(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN);
+      if constexpr (Shape::kDqTransposed)
+        Wgmma<Element, Shape::kDqN>::ss_ab_mn_major(dq, k_operand, ds_operand, kk > 0);  // dQᵀ = Kᵀ dSᵀ
+      else
+        Wgmma<Element, Shape::kDqN>::ss_ab_mn_major(dq, ds_operand, k_operand, kk > 0);  // dQ = dS K
+    }
+    sm90::wgmma_commit();
+  };
+  const auto hand_over_dq = [&](float(&dq)[Shape::kDqN / 2], int it) {
+    sm90::fence_registers(dq);
+    // Rows past seqlen_q hold zeros: the atomics skip them, the bulk add all but those of its last
+    // group of 8 rows (which land in the sequence's padded workspace rows). Columns past head_dim
+    // add zeros to the padding of dq_accum, which nothing reads. This lane's first dQ element in
+    // a tile, the rest at compile-time offsets from it:
+    const int dq_lane = Shape::kDqTransposed ? dq_accum_offset_transposed(2 * t, dq_col0 + warp_row + g, W)
+                                             : dq_accum_offset(dq_query0 + warp_row + g, dq_col0 + 2 * t, W);
+    if constexpr (Shape::kDqThroughSharedMemory) {
+      // The tile is free once the writer's add of the previous query block has read it.
+      if (it > 0) sm90::mbarrier_wait(dq_empty, (it - 1) & 1);
+      float* const dq_tile = reinterpret_cast<float*>(base_ptr + Shape::kOffDq) + dq_lane;
+      // Accumulator rows g, g + 8 (half), columns 8j + 2t, + 1: queries x head dims, or by dQᵀ
+      // head dims x queries, whose pair is then two rows of a transposed tile.
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < Shape::kDqN / 8; ++j)
+          *reinterpret_cast<float2*>(dq_tile + (Shape::kDqTransposed ? dq_accum_offset_transposed(8 * j, 8 * half, W)
+                                                                     : dq_accum_offset(8 * half, 8 * j, W))) =
+              make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+      sm90::fence_shared_to_async_proxy();
+      sm90::named_barrier_arrive(sm90::kDqFullBarrier, kDqBarrierThreads);
+    } else {
+      // Deterministic: the turn keeper warp lets the adds start once it is the block's turn, and
+      // passes the turn on after they are issued.
+      if (p.deterministic) sm90::named_barrier_sync(sm90::kDqTurnBarrier, kDqBarrierThreads);
+      float* const dq_block = dq_workspace_block(it) + dq_lane;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (query_block_start(it) + dq_query0 + warp_row + g + 8 * half < seq.seqlen_q) {
+#pragma unroll
+          for (int j = 0; j < Shape::kDqColumns / 8; ++j)
+            backward::red_add_pair(dq_block + dq_accum_offset(8 * half, 8 * j, W), dq[4 * j + 2 * half],
+                                   dq[4 * j + 2 * half + 1]);
+        }
+      }
+      if (p.deterministic) sm90::named_barrier_arrive(sm90::kDqAddedBarrier, kDqBarrierThreads);
+    }
+  };
+
+  // Query block `it` of the ring's stage. By keys (Shape::kLaggedDq), its dQ product waits for
+  // the other warpgroup's dSᵀ, so it runs in the next iteration, after that iteration's own
+  // products are issued (the last block's after the loop). A warpgroup then waits for the other
+  // only once it reaches the scores of the next query block (score_buffer_done of the previous
+  // one), not at a fixed point of each iteration: with a named barrier before dQ both warpgroups
+  // left it together and ran their exponentials and dS at the same time, the tensor cores idle
+  // under both. The first iteration's dQ product has no query block: it reads the idle score
+  // buffer and is dropped (the first iteration peeled off the loop instead spilled up to 208
+  // bytes in the softcap variants), a fifth of one iteration's products per thread block.
   sm90::PipelineState<kStages> read;
   for (int it = 0; it < num_iters; ++it, read.advance()) {
     const int stage = read.index;
@@ -590,12 +688,18 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
     sm90::wgmma_wait<1>();
     sm90::fence_registers(s);
+    // The other warpgroup has finished the previous iteration: its dSᵀ is in score buffer buf ^ 1,
+    // its dQ product of two iterations back, the last reader of buffer buf, is complete, and so
+    // are its reads of lse2 / D buffer buf ^ 1 and the stores of this block's into buffer buf.
+    // (In the first iteration the parity is that of the phase before the barrier's first: done.)
+    if constexpr (Shape::kLaggedDq) sm90::mbarrier_wait(score_buffer_done(buf ^ 1), ((it - 1) >> 1) & 1);
     const float* const lse2_row = row_stat_buffers + buf * BM + wg_query0;
     const float* const dsum_row = row_stat_buffers + (2 + buf) * BM + wg_query0;
     const int wg_key_begin = n0 + wg_key0, wg_query_begin = m0 + wg_query0;
     const ScoreTransform<kMod> transform(p, b, h);
     float key_distance[2];
-    // The dS tile of this iteration's buffer, free since the previous iteration's barrier.
+    // The dS tile of this iteration's buffer, free since the other warpgroup's previous iteration
+    // (lagged dQ) or the previous iteration's barrier.
     const auto tanh_derivative = [&](int j, int half) {
       return backward::score_tile_pair<BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 0), key_row0,
                                                                   wg_query0 / 8, j, half, g, t);
@@ -634,7 +738,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     // dK += dSᵀ Q. Where registers allow (Shape::kDkAfterDq) it is issued after dQ, so that it runs
     // while dQ goes out (the shared-memory tile or the atomics) and the wait for dQ does not wait
     // for it too; it is retired at the end of the iteration (held into the next one, it made
-    // ptxas serialise every wgmma). Else beside dV, before the barrier.
+    // ptxas serialise every wgmma). Else beside dV.
     const auto issue_dk = [&](const uint32_t(&ds_fragments)[BM / 16][4]) {
       sm90::fence_registers(acc_dk);
 #pragma unroll
@@ -680,82 +784,44 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                                                                      wg_query0 / 8, g, t);
     if (prefetch) store_row_stat(it + 1, next_row_stat);
     sm90::fence_shared_to_async_proxy();
-    sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
-
-    const uint32_t ds_tile = base + score_offset(buf, 0);
-    if constexpr (kSplit) {
-      sm90::fence_registers(acc_dv);
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<Element, NA>::ss_b_mn_major(
-            acc_dv, k_major_descriptor(base + score_offset(buf, 1) + sm90::k_major_step(kk, BN)),
-            mn_major_descriptor(do_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
-      sm90::wgmma_commit();
-    }
 
     float dq[Shape::kDqN / 2];
-    sm90::wgmma_fence();
+    if constexpr (Shape::kLaggedDq) {
+      issue_dq(dq, buf ^ 1);
+    } else {
+      sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
+      if constexpr (kSplit) {
+        sm90::fence_registers(acc_dv);
+        sm90::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      constexpr int kScoreRow = Shape::kScoreRowBytes;
-      const uint64_t ds_operand = mn_major_descriptor<kScoreRow>(
-          ds_tile + (dq_query0 / (kScoreRow / 2) * BN + kk * 16) * kScoreRow, BN);
-      const uint64_t k_operand = mn_major_descriptor(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN);
-      if constexpr (Shape::kDqTransposed)
-        Wgmma<Element, Shape::kDqN>::ss_ab_mn_major(dq, k_operand, ds_operand, kk > 0);  // dQᵀ = Kᵀ dSᵀ
-      else
-        Wgmma<Element, Shape::kDqN>::ss_ab_mn_major(dq, ds_operand, k_operand, kk > 0);  // dQ = dS K
+        for (int kk = 0; kk < BM / 16; ++kk)
+          Wgmma<Element, NA>::ss_b_mn_major(
+              acc_dv, k_major_descriptor(base + score_offset(buf, 1) + sm90::k_major_step(kk, BN)),
+              mn_major_descriptor(do_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
+        sm90::wgmma_commit();
+      }
+      issue_dq(dq, buf);
     }
-    sm90::wgmma_commit();
     if constexpr (Shape::kDkAfterDq) issue_dk(dsa);
     sm90::wgmma_wait<Shape::kDkAfterDq ? 1 : 0>();  // dV and dQ
-    sm90::fence_registers(dq);
     sm90::fence_registers(acc_dv);
-
-    // Rows past seqlen_q hold zeros: the atomics skip them, the bulk add all but those of its last
-    // group of 8 rows (which land in the sequence's padded workspace rows). Columns past head_dim
-    // add zeros to the padding of dq_accum, which nothing reads. This lane's first dQ element in
-    // a tile, the rest at compile-time offsets from it:
-    const int dq_lane = Shape::kDqTransposed ? dq_accum_offset_transposed(2 * t, dq_col0 + warp_row + g, W)
-                                             : dq_accum_offset(dq_query0 + warp_row + g, dq_col0 + 2 * t, W);
-    if constexpr (Shape::kDqThroughSharedMemory) {
-      // The tile is free once the writer's adds of the previous iteration have read it.
-      if (it > 0) sm90::named_barrier_sync(sm90::kDqEmptyBarrier, kDqBarrierThreads);
-      float* const dq_tile = reinterpret_cast<float*>(base_ptr + Shape::kOffDq) + dq_lane;
-      // Accumulator rows g, g + 8 (half), columns 8j + 2t, + 1: queries x head dims, or by dQᵀ
-      // head dims x queries, whose pair is then two rows of a transposed tile.
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int j = 0; j < Shape::kDqN / 8; ++j)
-          *reinterpret_cast<float2*>(dq_tile + (Shape::kDqTransposed ? dq_accum_offset_transposed(8 * j, 8 * half, W)
-                                                                     : dq_accum_offset(8 * half, 8 * j, W))) =
-              make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
-      sm90::fence_shared_to_async_proxy();
-      sm90::named_barrier_arrive(sm90::kDqFullBarrier, kDqBarrierThreads);
-    } else {
-      // Deterministic: the turn keeper warp lets the adds start once it is the block's turn, and
-      // passes the turn on after they are issued.
-      if (p.deterministic) sm90::named_barrier_sync(sm90::kDqTurnBarrier, kDqBarrierThreads);
-      float* const dq_block = dq_workspace_block(it) + dq_lane;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        if (m0 + dq_query0 + warp_row + g + 8 * half < seq.seqlen_q) {
-#pragma unroll
-          for (int j = 0; j < Shape::kDqColumns / 8; ++j)
-            backward::red_add_pair(dq_block + dq_accum_offset(8 * half, 8 * j, W), dq[4 * j + 2 * half],
-                                   dq[4 * j + 2 * half + 1]);
-        }
-      }
-      if (p.deterministic) sm90::named_barrier_arrive(sm90::kDqAddedBarrier, kDqBarrierThreads);
-    }
-    if constexpr (Shape::kDkAfterDq) {
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(acc_dk);
-    }
+    if (!Shape::kLaggedDq || it > 0) hand_over_dq(dq, Shape::kLaggedDq ? it - 1 : it);
+    sm90::wgmma_wait<0>();
+    sm90::fence_registers(acc_dk);
+    sm90::fence_registers(acc_dv);
+    // Every thread arrives on score_buffer_done after its own stores (the dSᵀ tile, lse2 / D), so
+    // that nothing but the barrier orders them before the other warpgroup's reads.
+    if constexpr (Shape::kLaggedDq) sm90::mbarrier_arrive(score_buffer_done(buf));
     __syncwarp();
     if (lane == 0) sm90::mbarrier_arrive(empty(stage));
+  }
+  if (Shape::kLaggedDq && num_iters > 0) {
+    const int last = num_iters - 1;
+    float dq[Shape::kDqN / 2];
+    sm90::mbarrier_wait(score_buffer_done(last & 1), (last >> 1) & 1);
+    issue_dq(dq, last & 1);
+    sm90::wgmma_wait<0>();
+    hand_over_dq(dq, last);
   }
 
   // dK·scale and dV, straight from the accumulators: rows < seqlen_k, columns < head_dim (a

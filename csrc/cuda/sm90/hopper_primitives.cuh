@@ -128,7 +128,6 @@ __device__ __forceinline__ void fence_shared_to_async_proxy() {
 enum NamedBarrier : int {
   kConsumersBarrier = 1,  // every consumer thread of the block
   kDqFullBarrier = 2,     // backward: the consumers' dQ tile is in shared memory (consumers + dQ writer)
-  kDqEmptyBarrier = 3,    // backward: the dQ writer's bulk adds have read that tile
   kDqTurnBarrier = 4,     // backward by head dims, deterministic: the query block's turn to add dQ has come
   kDqAddedBarrier = 5,    // backward by head dims, deterministic: the consumers have issued their dQ adds
   kTailLandedBarrier = 6,  // backward, variable-length q: a straddling query block's Q, dO have landed
