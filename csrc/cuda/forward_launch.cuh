@@ -21,10 +21,10 @@ cudaError_t launch_attention_forward(const AttentionFwdParams& params, const Dev
     if (limits.hopper_kernels && HopperShape::kSmemBytes <= limits.max_smem_per_block) {
       bool launched = false;
       cudaError_t status = cudaSuccess;
-      using FullMaskShape = typename HopperPlan::FullMaskShape;
-      if constexpr (!std::is_void_v<FullMaskShape>) {
-        if (runs_full_mask_shape(params))
-          status = launch_forward_sm90<Element, FullMaskShape, kMod>(params, limits, stream, &launched);
+      using LongSequenceShape = typename HopperPlan::LongSequenceShape;
+      if constexpr (!std::is_void_v<LongSequenceShape>) {
+        if (runs_long_sequence_shape(params))
+          status = launch_forward_sm90<Element, LongSequenceShape, kMod>(params, limits, stream, &launched);
       }
       if (status == cudaSuccess && !launched)
         status = launch_forward_sm90<Element, HopperShape, kMod>(params, limits, stream, &launched);

@@ -42,12 +42,15 @@
 
 namespace flashattn {
 
-// kOverlap: S_{j+1} and its softmax run under P_j V_j (v2); without it (W = 256 with
-// dropout, for registers) the products run one after the other (v1). kBlocksPerSM_: the
-// blocks an SM holds at once, which sets the consumers' registers (0: two with one consumer
-// warpgroup, else one).
+// kOverlap: S_{j+1} and its softmax run under P_j V_j (v2); without it (W = 256 with dropout,
+// for registers) the products run one after the other (v1). kBlocksPerSM_: the blocks an SM
+// holds at once, which sets the consumers' registers (0: two with one consumer warpgroup, else
+// one). kUnmaskedLoop_: the key blocks no mask boundary cuts run in a loop of their own,
+// overlapped and without the element mask's code, and the few a boundary cuts one product after
+// the other; else one loop, every block overlapped, the mask a branch (at W = 256 three loops
+// measured 1-2.5 % slower than one).
 template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_ = 2, bool kOverlap_ = true,
-          int kBlocksPerSM_ = 0>
+          int kBlocksPerSM_ = 0, bool kUnmaskedLoop_ = (kHeadDim_ < 256)>
 struct Sm90ForwardShape {
   static constexpr bool kOverlap = kOverlap_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -55,6 +58,7 @@ struct Sm90ForwardShape {
   static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
   static constexpr int kStages = kStages_;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
+  static constexpr bool kUnmaskedLoop = kUnmaskedLoop_;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
   static constexpr int kColumnBlocks = kHeadDim / sm90::kSwizzleElements;
@@ -84,6 +88,11 @@ struct Sm90ForwardShape {
   static_assert(kBlocksPerSM * (kSmemBytes + kSchedulerBytes + sm90::kReservedSmemPerBlock) <= sm90::kSmemPerSM,
                 "shared memory for kBlocksPerSM blocks");
 };
+
+// Which softmax a key block takes: kCut (a mask boundary cuts it: the element mask), kUncut
+// (none does), kAsk (the block decides, after its S has landed, which is when the answer
+// costs a register least).
+enum class Sm90KeyBlock { kCut, kUncut, kAsk };
 
 // The kernel's arguments: the plain params and one TMA map per input, each map
 // 4-d (head_dim, seqlen, nheads, batch) with the tensor's own strides.
@@ -251,15 +260,22 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
                                       k_operand.at(sm90::k_major_step(ks, kBlockN)), ks > 0);
         sm90::wgmma_commit();
       };
-      // The softmax of block `it`'s scores, P left in acc_s (with dropout, the dropped ones 0).
-      const auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2], int it) {
+      // Whether no mask boundary cuts key block `it`. Such blocks form one run (each boundary is
+      // a half-plane in the key index), which the unmasked loop below takes.
+      const auto fully_visible = [&](int it) {
         const int n_begin = (blk.n_block_last - it) * kBlockN;
-        if (blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN))
-          softmax_scores<false>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head),
-                                blk.mask, blk.m_begin + warp_row, n_begin, lane);
-        else
+        return blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN);
+      };
+      // The softmax of block `it`'s scores, P left in acc_s (with dropout, the dropped ones 0).
+      const auto softmax_block = [&](Sm90KeyBlock kind, float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2],
+                                     int it) {
+        const int n_begin = (blk.n_block_last - it) * kBlockN;
+        if (kind == Sm90KeyBlock::kAsk ? !fully_visible(it) : kind == Sm90KeyBlock::kCut)
           softmax_scores<true>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head),
                                blk.mask, blk.m_begin + warp_row, n_begin, lane);
+        else
+          softmax_scores<false>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head),
+                                blk.mask, blk.m_begin + warp_row, n_begin, lane);
         if constexpr (has_dropout(kMod))
           DropoutMask(params, blk.batch, blk.head).drop_rows(acc_s[0], (blk.m_begin + warp_row) / 16, n_begin, lane);
       };
@@ -285,7 +301,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
         sm90::wgmma_wait<0>();
         sm90::fence_registers(acc_s_flat);
         release(k_read, k_empty);
-        softmax_block(acc_s, corrections, 0);
+        softmax_block(Sm90KeyBlock::kAsk, acc_s, corrections, 0);
         pack_p(acc_s, p);
         // Keys past the sequence's end have P = 0, but the rows of V the copy brought for
         // them belong to the next sequence or to rows seqused leaves out, and 0 * inf or NaN
@@ -314,13 +330,18 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
         sm90::wgmma_commit();
       };
 
-      // The last block is peeled off so that every iteration of the loop has the
-      // same two products in flight (with the branch inside, ptxas could not tell
-      // which one wgmma_wait<1> retires, and serialised every wgmma).
-      for (int it = 0; it + 1 < num_blocks; ++it) {
+      // Block it + 1's S and softmax beside block it's P V. The last block's P V is peeled off the
+      // loops so that every iteration has the same two products in flight (with the branch
+      // inside, ptxas could not tell which one wgmma_wait<1> retires, and serialised every
+      // wgmma). With Shape::kUnmaskedLoop the blocks no boundary cuts run S_{it+1} and its
+      // softmax under P_it V_it (Shape::kOverlap) in a loop of their own, the few that a boundary
+      // cuts (the diagonal's, first; a window's left edge, last) one product after the other:
+      // with the element mask beside P_it, three consumer warpgroups' 160 registers spilled
+      // (44-132 bytes at W = 64).
+      const auto step = [&](int it, Sm90KeyBlock kind) {
         float acc_s[1][kNTiles][4];
         auto& acc_s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-        if constexpr (Shape::kOverlap) {
+        if (Shape::kOverlap && kind != Sm90KeyBlock::kCut) {
           issue_scores(acc_s_flat);
           issue_pv();
           sm90::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
@@ -328,7 +349,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
           release(k_read, k_empty);
           // P_it must stay untouched until P_it V_it completes (wgmma reads its A
           // registers asynchronously): block it+1's P waits in acc_s, packed after.
-          softmax_block(acc_s, corrections, it + 1);
+          softmax_block(kind, acc_s, corrections, it + 1);
           sm90::wgmma_wait<0>();
           sm90::fence_registers(acc_o_flat);
           release(v_read, v_empty);
@@ -341,10 +362,16 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
           sm90::wgmma_wait<0>();
           sm90::fence_registers(acc_s_flat);
           release(k_read, k_empty);
-          softmax_block(acc_s, corrections, it + 1);
+          softmax_block(kind, acc_s, corrections, it + 1);
         }
         pack_p(acc_s, p);
+      };
+      int it = 0;
+      if constexpr (Shape::kUnmaskedLoop) {
+        for (; it + 1 < num_blocks && !fully_visible(it + 1); ++it) step(it, Sm90KeyBlock::kCut);
+        for (; it + 1 < num_blocks && fully_visible(it + 1); ++it) step(it, Sm90KeyBlock::kUncut);
       }
+      for (; it + 1 < num_blocks; ++it) step(it, Shape::kUnmaskedLoop ? Sm90KeyBlock::kCut : Sm90KeyBlock::kAsk);
       if (num_blocks > 0) {
         if constexpr (kPersistent) {  // every S of the tile has completed: Q's stage is free
           __syncwarp();

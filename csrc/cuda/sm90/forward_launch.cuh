@@ -28,42 +28,46 @@ namespace flashattn {
 //    the other's products: +12 % at N 1024 causal, +8 % at N 1024, -1 % at N 8192
 //    against two warpgroups of one block. W = 128 has no room for a second block.
 //  - dropout at W = 256: its draws beside S of the next block spill (8-80 bytes), so those
-//    variants run the products in sequence over 64-key blocks.
-// FullMaskShape (void: none) runs the calls where every query row of a long dense sequence sees
-// every key (no causal mask, no window): at W = 64, three consumer warpgroups of 64 rows
-// (FlashAttention-3's 192 x 128 tile; its products in sequence, as S of the next block beside P
-// of this one spills at their 160 registers). Their warps hide each other's waits, which the
-// one consumer warpgroup of Shape cannot (its warps are latency-bound: RESULTS.md); measured on
-// the H100 +6-8 % at N 2048, +10 % at N 8192, and nothing at N 1024; causal, its 192-row
-// diagonal blocks and fewer tiles lose 13-25 % at N 1024-2048.
+//    variants run the products in sequence over 64-key blocks. At W = 128 softcap with dropout
+//    (without ALiBi) keeps one key loop: in three (kUnmaskedLoop) it spilled 4 bytes.
+// LongSequenceShape (void: none) runs the calls of long dense sequences (runs_long_sequence_shape):
+// at W = 64, three consumer warpgroups of 64 rows (FlashAttention-3's and FA4's 192 x 128 tile,
+// S of the next block beside P of this one in the unmasked blocks, within their 160 registers).
+// Their warps hide each other's waits, which the one consumer warpgroup of Shape cannot (its
+// warps are latency-bound: RESULTS.md). Measured on the H100 against Shape: +6-8 % at N 2048
+// and +10 % at N 8192 with the products in sequence, overlapped a further +6-7 % at N 2048-16384
+// (2026-12-05, 2026-12-06); causal, where its 192-row diagonal blocks and the fewer tiles lose
+// 13-25 % at N 1024-2048 and 2 % at N 4096, +7-8 % at N 8192-16384.
 template <int W, ScoreMod kMod>
 struct Sm90ForwardPlan {
   using Shape = void;
-  using FullMaskShape = void;
+  using LongSequenceShape = void;
 };
 template <ScoreMod kMod>
 struct Sm90ForwardPlan<64, kMod> {
   using Shape = Sm90ForwardShape<64, 128, 1, 3>;
-  using FullMaskShape =
-      std::conditional_t<kMod == ScoreMod::kNone, Sm90ForwardShape<64, 128, 3, 2, /*kOverlap=*/false>, void>;
+  using LongSequenceShape =
+      std::conditional_t<kMod == ScoreMod::kNone, Sm90ForwardShape<64, 128, 3, 2>, void>;
 };
 template <ScoreMod kMod>
 struct Sm90ForwardPlan<128, kMod> {
-  using Shape = Sm90ForwardShape<128, 128, 2, 3>;
-  using FullMaskShape = void;
+  using Shape = Sm90ForwardShape<128, 128, 2, 3, true, 0, /*kUnmaskedLoop=*/kMod != ScoreMod::kSoftcapDropout>;
+  using LongSequenceShape = void;
 };
 template <ScoreMod kMod>
 struct Sm90ForwardPlan<256, kMod> {
   using Shape = std::conditional_t<has_dropout(kMod), Sm90ForwardShape<256, 64, 2, 2, /*kOverlap=*/false>,
                                    Sm90ForwardShape<256, 80, 2, 2>>;
-  using FullMaskShape = void;
+  using LongSequenceShape = void;
 };
 
-// Whether a call takes the plan's FullMaskShape: dense batches (no cu_seqlens, seqused), no
-// causal mask or window, and query and key sequences of at least 2048.
-inline bool runs_full_mask_shape(const AttentionFwdParams& p) {
-  return p.window_left < 0 && p.window_right < 0 && !SequenceInfo::has_sequence_bounds(p) && p.seqlen_q >= 2048 &&
-         p.seqlen_k >= 2048;
+// Whether a call takes the plan's LongSequenceShape: dense batches (no cu_seqlens, seqused), no
+// window, and query and key sequences of at least 2048, or 8192 with a causal mask.
+inline bool runs_long_sequence_shape(const AttentionFwdParams& p) {
+  const bool causal = p.window_left < 0 && p.window_right == 0;
+  const int min_seqlen = causal ? 8192 : 2048;
+  return p.window_left < 0 && (p.window_right < 0 || causal) && !SequenceInfo::has_sequence_bounds(p) &&
+         p.seqlen_q >= min_seqlen && p.seqlen_k >= min_seqlen;
 }
 
 // Launches the Hopper kernel, or sets *launched = false (and launches nothing)
