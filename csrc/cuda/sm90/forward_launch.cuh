@@ -37,7 +37,7 @@ namespace flashattn {
 // warps are latency-bound: RESULTS.md). Measured on the H100 against Shape: +6-8 % at N 2048
 // and +10 % at N 8192 with the products in sequence, overlapped a further +6-7 % at N 2048-16384
 // (2026-12-05, 2026-12-06); causal, where its 192-row diagonal blocks and the fewer tiles lose
-// 13-25 % at N 1024-2048 and 2 % at N 4096, +7-8 % at N 8192-16384.
+// 9-25 % at N 1024-2048 and 2 % at N 4096, +7-8 % at N 8192-16384.
 template <int W, ScoreMod kMod>
 struct Sm90ForwardPlan {
   using Shape = void;
