@@ -806,9 +806,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     sm90::wgmma_wait<Shape::kDkAfterDq ? 1 : 0>();  // dV and dQ
     sm90::fence_registers(acc_dv);
     if (!Shape::kLaggedDq || it > 0) hand_over_dq(dq, Shape::kLaggedDq ? it - 1 : it);
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(acc_dk);
-    sm90::fence_registers(acc_dv);
+    if constexpr (Shape::kDkAfterDq) {
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc_dk);
+    }
     // Every thread arrives on score_buffer_done after its own stores (the dSᵀ tile, lse2 / D), so
     // that nothing but the barrier orders them before the other warpgroup's reads.
     if constexpr (Shape::kLaggedDq) sm90::mbarrier_arrive(score_buffer_done(buf));
