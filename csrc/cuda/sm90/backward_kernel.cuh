@@ -265,41 +265,55 @@ __device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2]
   }
 }
 
-// This lane's pair (j, half) of a warp's 16 key rows x queries in a swizzled score tile: column
-// blocks of kRowBytes / 2 queries, each kKeyRows rows of kRowBytes. From query column 8 * chunk0,
-// the 16-byte chunk c of row r sits in column block c / n (n = kRowBytes / 16 chunks per row) at
-// chunk (c % n) ^ ((r * kRowBytes / 128) % n), the swizzle XOR-ing address bits 7.. into the
-// chunk's; for this lane's rows (key_row0 a multiple of 8) that is g * kRowBytes / 128.
+// Where the 16-byte chunk `chunk` (8 queries from query 8 * chunk) of key row key_row0 + r sits in a
+// swizzled score tile (key_row0 a multiple of 8, r < 16): column blocks of kRowBytes / 2 queries,
+// each kKeyRows rows of kRowBytes, chunk c of row r in column block c / n (n = kRowBytes / 16
+// chunks per row) at chunk (c % n) ^ ((r * kRowBytes / 128) % n), the swizzle XOR-ing address
+// bits 7.. into the chunk's.
+template <int kKeyRows, int kRowBytes>
+__device__ __forceinline__ int score_tile_offset(int key_row0, int r, int chunk) {
+  constexpr int kChunks = kRowBytes / 16;
+  return ((chunk / kChunks) * kKeyRows + key_row0 + r) * kRowBytes +
+         ((chunk % kChunks) ^ ((r % 8) * kRowBytes / 128)) * 16;
+}
+
+// This lane's pair (j, half) of a warp's 16 key rows x queries from query 8 * chunk0.
 template <int kKeyRows, int kRowBytes>
 __device__ __forceinline__ uint32_t* score_tile_pair(unsigned char* tile, int key_row0, int chunk0, int j, int half,
                                                      int g, int t) {
-  constexpr int kChunks = kRowBytes / 16;
-  const int row = key_row0 + g + 8 * half, chunk = chunk0 + j;
-  return reinterpret_cast<uint32_t*>(tile + ((chunk / kChunks) * kKeyRows + row) * kRowBytes +
-                                     (((chunk % kChunks) ^ (g * kRowBytes / 128)) * 16) + 4 * t);
+  return reinterpret_cast<uint32_t*>(tile + score_tile_offset<kKeyRows, kRowBytes>(key_row0, g + 8 * half, chunk0 + j) +
+                                     4 * t);
+}
+
+// The chunk a lane addresses for stmatrix in k16 step kk of the same: row lane % 8 of matrix
+// m = lane / 8, the rows 8 (m % 2).. and queries 8 (m / 2).. of the step, as accumulator_as_a
+// orders a fragment's four registers.
+template <int kKeyRows, int kRowBytes>
+__device__ __forceinline__ uint32_t score_tile_chunk(uint32_t tile, int key_row0, int chunk0, int kk, int lane) {
+  const int m = lane / 8;
+  return tile + score_tile_offset<kKeyRows, kRowBytes>(key_row0, lane % 8 + 8 * (m & 1), chunk0 + 2 * kk + (m >> 1));
 }
 
 // A warp's 16 key rows x kColumns queries, as the A fragments of the k16 steps over them
-// (accumulator_as_a: fragment[kk][r] is pair (2kk + r / 2, r % 2)), into a swizzled score tile.
+// (accumulator_as_a), into a swizzled score tile at shared address `tile`: one stmatrix per step
+// (four 32-bit stores per lane each before, with their address arithmetic).
 template <int kColumns, int kKeyRows, int kRowBytes>
-__device__ __forceinline__ void store_score_fragments(unsigned char* tile, const uint32_t (&fragment)[kColumns / 16][4],
-                                                      int key_row0, int chunk0, int g, int t) {
+__device__ __forceinline__ void store_score_fragments(uint32_t tile, const uint32_t (&fragment)[kColumns / 16][4],
+                                                      int key_row0, int chunk0, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kColumns / 16; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-      *score_tile_pair<kKeyRows, kRowBytes>(tile, key_row0, chunk0, 2 * kk + (r >> 1), r & 1, g, t) = fragment[kk][r];
+    sm90::stmatrix_x4(score_tile_chunk<kKeyRows, kRowBytes>(tile, key_row0, chunk0, kk, lane), fragment[kk]);
 }
 
 // The same from the fp32 accumulator values.
 template <typename Element, int kColumns, int kKeyRows, int kRowBytes>
-__device__ __forceinline__ void store_score_tile(unsigned char* tile, const float (&v)[kColumns / 2], int key_row0,
-                                                 int chunk0, int g, int t) {
+__device__ __forceinline__ void store_score_tile(uint32_t tile, const float (&v)[kColumns / 2], int key_row0,
+                                                 int chunk0, int lane) {
   uint32_t fragment[kColumns / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kColumns / 16; ++kk)
     accumulator_as_a<Element>(fragment[kk], reinterpret_cast<const float(&)[kColumns / 8][4]>(v), kk);
-  store_score_fragments<kColumns, kKeyRows, kRowBytes>(tile, fragment, key_row0, chunk0, g, t);
+  store_score_fragments<kColumns, kKeyRows, kRowBytes>(tile, fragment, key_row0, chunk0, lane);
 }
 
 // Zeroes rows [row_begin, kRows) of two tiles that tma_load_tile filled (each column block
@@ -581,14 +595,15 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   // dQ of query block `it` from its dSᵀ in score buffer `buf`, and its hand-over: to the dQ
   // writer through the shared-memory tile (by keys), or by atomics (by head dims).
   const auto issue_dq = [&](float(&dq)[Shape::kDqN / 2], int buf) {
-    const uint32_t ds_tile = base + score_offset(buf, 0);
+    constexpr int kScoreRow = Shape::kScoreRowBytes;
+    const auto ds_tile =
+        sm90::mn_major_operand<kScoreRow>(base + score_offset(buf, 0) + dq_query0 / (kScoreRow / 2) * BN * kScoreRow, BN);
+    const auto k_tile = sm90::mn_major_operand(k_dq_cols, BN);
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      constexpr int kScoreRow = Shape::kScoreRowBytes;
-      const uint64_t ds_operand = mn_major_descriptor<kScoreRow>(
-          ds_tile + (dq_query0 / (kScoreRow / 2) * BN + kk * 16) * kScoreRow, BN);
-      const uint64_t k_operand = mn_major_descriptor(k_dq_cols + kk * 16 * sm90::kSwizzleBytes, BN);
+      const uint64_t ds_operand = ds_tile.at(kk * 16 * kScoreRow);
+      const uint64_t k_operand = k_tile.at(kk * 16 * sm90::kSwizzleBytes);
       if constexpr (Shape::kDqTransposed)
         Wgmma<Element, Shape::kDqN>::ss_ab_mn_major(dq, k_operand, ds_operand, kk > 0);  // dQᵀ = Kᵀ dSᵀ
       else
@@ -660,16 +675,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::named_barrier_arrive(sm90::kTailLandedBarrier, kTailZeroingThreads);
       sm90::named_barrier_sync(sm90::kTailZeroedBarrier, kTailZeroingThreads);
     }
+    const auto k_tile = sm90::k_major_operand(k_rows), q_tile = sm90::k_major_operand(q_smem(stage) + query_rows);
+    const auto v_tile = sm90::k_major_operand(v_rows), do_tile = sm90::k_major_operand(do_smem(stage) + query_rows);
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)
-      Wgmma<Element, NQ>::ss(s, k_major_descriptor(k_rows + sm90::k_major_step(ks, BN)),
-                             k_major_descriptor(q_smem(stage) + query_rows + sm90::k_major_step(ks, BM)), ks > 0);
+      Wgmma<Element, NQ>::ss(s, k_tile.at(sm90::k_major_step(ks, BN)), q_tile.at(sm90::k_major_step(ks, BM)), ks > 0);
     sm90::wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < W / 16; ++ks)
-      Wgmma<Element, NQ>::ss(dp, k_major_descriptor(v_rows + sm90::k_major_step(ks, BN)),
-                             k_major_descriptor(do_smem(stage) + query_rows + sm90::k_major_step(ks, BM)), ks > 0);
+      Wgmma<Element, NQ>::ss(dp, v_tile.at(sm90::k_major_step(ks, BN)), do_tile.at(sm90::k_major_step(ks, BM)), ks > 0);
     sm90::wgmma_commit();
 
     // Dropout's draws run under the two products; dS takes the undropped Pᵀ, dV the dropped
@@ -741,15 +756,15 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     // ptxas serialise every wgmma). Else beside dV.
     const auto issue_dk = [&](const uint32_t(&ds_fragments)[BM / 16][4]) {
       sm90::fence_registers(acc_dk);
+      const auto q_tile = sm90::mn_major_operand(q_smem(stage) + (kSplit ? acc_cols : 0), BM);
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
         if constexpr (kSplit)
           Wgmma<Element, NA>::ss_b_mn_major(
-              acc_dk, k_major_descriptor(base + score_offset(buf, 0) + sm90::k_major_step(kk, BN)),
-              mn_major_descriptor(q_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
+              acc_dk, sm90::k_major_operand(base + score_offset(buf, 0)).at(sm90::k_major_step(kk, BN)),
+              q_tile.at(kk * 16 * sm90::kSwizzleBytes));
         else
-          Wgmma<Element, W>::rs_b_mn_major(acc_dk, ds_fragments[kk],
-                                           mn_major_descriptor(q_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
+          Wgmma<Element, W>::rs_b_mn_major(acc_dk, ds_fragments[kk], q_tile.at(kk * 16 * sm90::kSwizzleBytes));
       }
       sm90::wgmma_commit();
     };
@@ -762,26 +777,26 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         accumulator_as_a<Element>(dsa[kk], reinterpret_cast<const float(&)[NQ / 8][4]>(dp), kk);
       }
       sm90::fence_registers(acc_dv);
+      const auto do_tile = sm90::mn_major_operand(do_smem(stage), BM);
       sm90::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<Element, W>::rs_b_mn_major(acc_dv, pa[kk],
-                                         mn_major_descriptor(do_smem(stage) + kk * 16 * sm90::kSwizzleBytes, BM));
+        Wgmma<Element, W>::rs_b_mn_major(acc_dv, pa[kk], do_tile.at(kk * 16 * sm90::kSwizzleBytes));
       sm90::wgmma_commit();
       if constexpr (!Shape::kDkAfterDq) issue_dk(dsa);
     } else {
-      backward::store_score_tile<Element, NQ, BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 1), s, key_row0,
-                                                                         wg_query0 / 8, g, t);
+      backward::store_score_tile<Element, NQ, BN, Shape::kScoreRowBytes>(base + score_offset(buf, 1), s, key_row0,
+                                                                         wg_query0 / 8, lane);
     }
     // dSᵀ into its tile: from dK's fragments where dK follows dQ (with the fp32 values as well,
     // ptxas serialised every wgmma for want of registers), else from the fp32 values (from the
     // fragments, the W = 64 variants of 128 queries spilled 4-8 bytes).
     if constexpr (kSplit || !Shape::kDkAfterDq)
-      backward::store_score_tile<Element, NQ, BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 0), dp, key_row0,
-                                                                         wg_query0 / 8, g, t);
+      backward::store_score_tile<Element, NQ, BN, Shape::kScoreRowBytes>(base + score_offset(buf, 0), dp, key_row0,
+                                                                         wg_query0 / 8, lane);
     else
-      backward::store_score_fragments<NQ, BN, Shape::kScoreRowBytes>(base_ptr + score_offset(buf, 0), dsa, key_row0,
-                                                                     wg_query0 / 8, g, t);
+      backward::store_score_fragments<NQ, BN, Shape::kScoreRowBytes>(base + score_offset(buf, 0), dsa, key_row0,
+                                                                     wg_query0 / 8, lane);
     if (prefetch) store_row_stat(it + 1, next_row_stat);
     sm90::fence_shared_to_async_proxy();
 
@@ -793,11 +808,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       if constexpr (kSplit) {
         sm90::fence_registers(acc_dv);
         sm90::wgmma_fence();
+        const auto p_tile = sm90::k_major_operand(base + score_offset(buf, 1));
+        const auto do_tile = sm90::mn_major_operand(do_smem(stage) + acc_cols, BM);
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
-          Wgmma<Element, NA>::ss_b_mn_major(
-              acc_dv, k_major_descriptor(base + score_offset(buf, 1) + sm90::k_major_step(kk, BN)),
-              mn_major_descriptor(do_smem(stage) + acc_cols + kk * 16 * sm90::kSwizzleBytes, BM));
+          Wgmma<Element, NA>::ss_b_mn_major(acc_dv, p_tile.at(sm90::k_major_step(kk, BN)),
+                                            do_tile.at(kk * 16 * sm90::kSwizzleBytes));
         sm90::wgmma_commit();
       }
       issue_dq(dq, buf);

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
   const auto key_blocks = [](const ForwardBlock& blk) {
     return blk.empty ? 0 : blk.n_block_last - blk.n_block_first + 1;  // <= 0: no visible key
   };
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
 
   if (threadIdx.x == 0) {
     sm90::mbarrier_init(q_full, 1);

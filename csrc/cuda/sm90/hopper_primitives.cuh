@@ -212,10 +212,9 @@ __device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t smem_addr, int 
 // `offset` bytes further on (a k16 step, a column block), made by adding offset / 16 to the
 // start-address field alone: the field holds address / 16 of an address below 256 KB, so the
 // sum never carries out of it. One integer add per wgmma instead of the mask, shift and or
-// of a fresh descriptor (five instructions on the consumers' path before each product). The
-// forward steps its operands so; the backward builds a descriptor per product, which leaves
-// its W = 64 dropout variants the registers they need (held across the loop, the operands
-// spilled them).
+// of a fresh descriptor (five instructions on the consumers' path before each wgmma). The
+// backward builds its operands per product, before each chain of wgmma (held across its loop,
+// they spilled the W = 64 dropout variants).
 struct SwizzledOperand {
   uint32_t lo, hi;
   __device__ __forceinline__ explicit SwizzledOperand(uint64_t descriptor)
@@ -229,8 +228,18 @@ __device__ __forceinline__ SwizzledOperand k_major_operand(uint32_t smem_addr) {
   return SwizzledOperand(k_major_descriptor(smem_addr));
 }
 
+template <int kRowBytes = kSwizzleBytes>
 __device__ __forceinline__ SwizzledOperand mn_major_operand(uint32_t smem_addr, int rows) {
-  return SwizzledOperand(mn_major_descriptor(smem_addr, rows));
+  return SwizzledOperand(mn_major_descriptor<kRowBytes>(smem_addr, rows));
+}
+
+// Four 8 x 8 matrices of 16-bit elements from a warp's registers into shared memory, register i
+// of each lane holding matrix i's pair (row lane / 4, columns 2 (lane % 4), + 1), the layout of an
+// mma accumulator fragment; lane l gives the address of row l % 8 of matrix l / 8 (16 bytes).
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
