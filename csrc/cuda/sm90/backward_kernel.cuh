@@ -117,6 +117,7 @@
 #include "cuda/common/backward_passes.cuh"
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/dropout_mask.cuh"
+#include "cuda/common/fast_divmod.cuh"
 #include "cuda/common/mma_primitives.cuh"
 #include "cuda/common/score_transform.cuh"
 #include "cuda/common/tile_scheduler.cuh"
@@ -386,8 +387,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int n0 = blk.n0, h_kv = blk.h_kv, b = blk.b, group = blk.group;
   // Iteration it: query head h_kv * group + it / num_m, query block m_first + it % num_m.
   const int m_first = blk.m_first, num_m = blk.num_m, num_iters = blk.num_iters;
-  const auto head_of = [&](int it) { return h_kv * group + it / num_m; };
-  const auto query_block_start = [&](int it) { return (m_first + it % num_m) * BM; };  // in the sequence
+  const FastDivmod query_blocks(num_m);
+  const auto head_of = [&](int it) { return h_kv * group + query_blocks.div(it); };
+  const auto query_block_start = [&](int it) { return (m_first + query_blocks.mod(it)) * BM; };  // in the sequence
   // dQ's fp32 workspace tile of iteration it (its rows from a multiple of 8: dq_accum_offset is
   // additive from there).
   const auto dq_workspace_block = [&](int it) {
