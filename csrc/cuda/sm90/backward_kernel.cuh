@@ -558,8 +558,6 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int dq_col0 = Shape::kDqSplitByRows ? 0 : consumer * Shape::kDqColumns;
   const uint32_t k_dq_cols = k_smem + (dq_col0 / sm90::kSwizzleElements) * BN * sm90::kSwizzleBytes +
                              (dq_col0 % sm90::kSwizzleElements) * 2;
-  using sm90::k_major_descriptor;
-  using sm90::mn_major_descriptor;
 
   // This thread's share of the lse2 / D prefetch: value `stat_index` of a block's lse2 (0..BM-1)
   // or D (BM..2 BM-1); threads 128 + 2 BM.. have none. Stored into the buffer of the next
