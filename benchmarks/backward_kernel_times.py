@@ -1,7 +1,7 @@
 """Where a backward's time goes: each GPU kernel's time per backward call (torch.profiler) beside
-the call's wall time (CUDA events), for ours and the peers, at the benchmark convention (bf16,
-batch * seqlen = 16384, nheads * headdim = 2048). A dependent launch's kernel time includes its
-wait for the kernel before it.
+the call's wall time (CUDA events) and the last call's kernels on one time axis, for ours and
+the peers, at the benchmark convention (bf16, batch * seqlen = 16384, nheads * headdim = 2048).
+A dependent launch's kernel time includes its wait for the kernel before it.
 
     python benchmarks/backward_kernel_times.py --impls ours fa4 sdpa_cudnn \\
         --cases 128:1024 64:1024 128:8192 [--causal]
@@ -38,13 +38,18 @@ def kernel_times(impl, head_dim: int, seqlen: int, causal: bool, calls: int):
             backward()
         end.record()
         torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
     per_kernel = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name[:80]] = per_kernel.get(event.name[:80], 0.0) + event.device_time / calls
+    for event in kernels:
+        per_kernel[event.name[:80]] = per_kernel.get(event.name[:80], 0.0) + event.device_time / calls
+    # The last call's kernels on one time axis: where a dependent launch overlaps the one before.
+    last_call = kernels[-(len(kernels) // calls):]
+    origin = last_call[0].time_range.start
+    timeline = [(e.time_range.start - origin, e.time_range.end - origin, e.name[:80]) for e in last_call]
     wall_us = start.elapsed_time(end) * 1000 / calls
     flops = 4 * batch * heads * seqlen * seqlen * head_dim * 2.5 / (2 if causal else 1)
-    return wall_us, flops / wall_us / 1e6, per_kernel
+    return wall_us, flops / wall_us / 1e6, per_kernel, timeline
 
 
 def main():
@@ -60,11 +65,14 @@ def main():
     for impl in bc.build_impls(args.impls):
         for case in args.cases:
             head_dim, seqlen = (int(x) for x in case.split(":"))
-            wall_us, tflops, per_kernel = kernel_times(impl, head_dim, seqlen, args.causal, args.calls)
+            wall_us, tflops, per_kernel, timeline = kernel_times(impl, head_dim, seqlen, args.causal, args.calls)
             print(f"{impl.name} d={head_dim} N={seqlen} causal={args.causal} wall_us={wall_us:.0f} "
                   f"({tflops:.0f} TFLOP/s) kernel_sum_us={sum(per_kernel.values()):.0f}")
             for name, us in sorted(per_kernel.items(), key=lambda item: -item[1])[:6]:
                 print(f"   {us:9.1f} us  {name}")
+            print("   last call, us from its first kernel's start:")
+            for begin, finish, name in timeline:
+                print(f"   {begin:9.1f} .. {finish:9.1f}  {name}")
 
 
 if __name__ == "__main__":
