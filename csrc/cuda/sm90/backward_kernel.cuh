@@ -757,12 +757,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const auto issue_dk = [&](const uint32_t(&ds_fragments)[BM / 16][4]) {
       sm90::fence_registers(acc_dk);
       const auto q_tile = sm90::mn_major_operand(q_smem(stage) + (kSplit ? acc_cols : 0), BM);
+      const auto ds_tile = sm90::k_major_operand(base + score_offset(buf, 0));  // by head dims
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
         if constexpr (kSplit)
-          Wgmma<Element, NA>::ss_b_mn_major(
-              acc_dk, sm90::k_major_operand(base + score_offset(buf, 0)).at(sm90::k_major_step(kk, BN)),
-              q_tile.at(kk * 16 * sm90::kSwizzleBytes));
+          Wgmma<Element, NA>::ss_b_mn_major(acc_dk, ds_tile.at(sm90::k_major_step(kk, BN)),
+                                            q_tile.at(kk * 16 * sm90::kSwizzleBytes));
         else
           Wgmma<Element, W>::rs_b_mn_major(acc_dk, ds_fragments[kk], q_tile.at(kk * 16 * sm90::kSwizzleBytes));
       }
