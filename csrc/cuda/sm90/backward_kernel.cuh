@@ -841,27 +841,51 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     hand_over_dq(dq, last);
   }
 
-  // dK·scale and dV, straight from the accumulators: rows < seqlen_k, columns < head_dim (a
-  // multiple of 8, so a pair is wholly in or out).
-  Element* dk = seq.k_row(static_cast<Element*>(p.dk), p.dk_strides, b, h_kv, n0);
-  Element* dv = seq.k_row(static_cast<Element*>(p.dv), p.dv_strides, b, h_kv, n0);
-  const float dv_scale = has_dropout(kMod) ? p.dropout_scale : 1.f;
+  // dV and dK·scale through shared memory, where K's and V's tiles are free once every consumer's
+  // products are complete, into 16-byte stores of whole rows: rows < seqlen_k, columns < head_dim
+  // (a multiple of 8). Stored straight from the accumulators, 4 bytes of 8 rows per warp store,
+  // the epilogue held a fifth of the consumer warps' samples at N 1024 (d 128; Nsight Compute).
+  // A tile is BN rows x W columns, row-major, its 16-byte pieces XOR-swizzled by row % 8: both
+  // an 8 x 8 matrix of stmatrix and 8 consecutive pieces of a row then fall in distinct banks.
+  const auto piece_address = [&](uint32_t tile, int row, int piece) {
+    return tile + row * (W * 2) + ((piece ^ (row % 8)) * 16);
+  };
+  const auto stage = [&](uint32_t tile, const float(&acc)[NA / 2], float scale) {
+    // Matrix lane / 8 of each stmatrix: rows + 8 (lane / 8 % 2), the 8 columns of j + lane / 16.
+    const int row = key_row0 + 8 * (lane / 8 % 2) + lane % 8, piece0 = acc_col0 / 8 + lane / 16;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = key_row0 + g + 8 * half;
-    if (n0 + row < seq.seqlen_k) {
-#pragma unroll
-      for (int j = 0; j < NA / 8; ++j) {
-        const int col = acc_col0 + 8 * j + 2 * t;
-        if (col < p.head_dim) {
-          *reinterpret_cast<uint32_t*>(dk + row * p.dk_strides.row + col) =
-              Mma::pack(acc_dk[4 * j + 2 * half] * p.softmax_scale, acc_dk[4 * j + 2 * half + 1] * p.softmax_scale);
-          *reinterpret_cast<uint32_t*>(dv + row * p.dv_strides.row + col) =
-              Mma::pack(acc_dv[4 * j + 2 * half] * dv_scale, acc_dv[4 * j + 2 * half + 1] * dv_scale);
-        }
-      }
+    for (int j = 0; j < NA / 8; j += 2) {
+      const uint32_t r[4] = {Mma::pack(acc[4 * j] * scale, acc[4 * j + 1] * scale),
+                             Mma::pack(acc[4 * j + 2] * scale, acc[4 * j + 3] * scale),
+                             Mma::pack(acc[4 * j + 4] * scale, acc[4 * j + 5] * scale),
+                             Mma::pack(acc[4 * j + 6] * scale, acc[4 * j + 7] * scale)};
+      sm90::stmatrix_x4(piece_address(tile, row, piece0 + j), r);
     }
-  }
+  };
+  // A thread copies one piece of every kRowStep-th row (a multiple of 8: one swizzled place).
+  constexpr int kPieces = W / 8, kRowStep = Shape::kConsumerThreads / kPieces;
+  static_assert(Shape::kConsumerThreads % kPieces == 0 && kRowStep % 8 == 0 && BN % kRowStep == 0,
+                "whole rounds of rows");
+  const int piece = stat_index % kPieces, row0 = stat_index / kPieces;
+  const auto copy_out = [&](uint32_t tile, void* out, const TensorStrides& strides) {
+    if (piece * 8 >= p.head_dim) return;
+    // Rows are whole 16-byte pieces apart (the allocation's head_dim is a multiple of 8): indexed
+    // as such, or ptxas split each store into four.
+    uint4* const dst =
+        reinterpret_cast<uint4*>(seq.k_row(static_cast<Element*>(out), strides, b, h_kv, n0 + row0)) + piece;
+    const int64_t row_pieces = strides.row / 8;
+    const uint32_t src = piece_address(tile, row0, piece);
+    const int rows = seq.seqlen_k - n0 - row0;
+#pragma unroll
+    for (int k = 0; k < BN / kRowStep; ++k)
+      if (k * kRowStep < rows) dst[k * kRowStep * row_pieces] = sm90::load_shared_v4(src + k * kRowStep * W * 2);
+  };
+  sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
+  stage(v_smem, acc_dv, has_dropout(kMod) ? p.dropout_scale : 1.f);
+  stage(k_smem, acc_dk, p.softmax_scale);
+  sm90::named_barrier_sync(sm90::kConsumersBarrier, Shape::kConsumerThreads);
+  copy_out(v_smem, p.dv, p.dv_strides);
+  copy_out(k_smem, p.dk, p.dk_strides);
 #else
   __trap();  // launched only where the sm_90a image exists (sm90/backward_launch.cuh)
 #endif

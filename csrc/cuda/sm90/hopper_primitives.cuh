@@ -41,6 +41,15 @@ __device__ __forceinline__ uint32_t load_shared_u32(uint32_t addr) {
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
   return value;
 }
+// Sixteen bytes from shared memory (a 16-byte-aligned address).
+__device__ __forceinline__ uint4 load_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
 
 // Makes the barriers thread 0 initialised visible before the block's barrier publishes them.
 __device__ __forceinline__ void mbarrier_init_fence() {
