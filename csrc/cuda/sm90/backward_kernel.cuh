@@ -862,11 +862,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       sm90::stmatrix_x4(piece_address(tile, row, piece0 + j), r);
     }
   };
-  // A thread copies one piece of every kRowStep-th row (a multiple of 8: one swizzled place).
+  // A consumer thread copies one piece of every kRowStep-th row (a multiple of 8: one swizzled place).
   constexpr int kPieces = W / 8, kRowStep = Shape::kConsumerThreads / kPieces;
   static_assert(Shape::kConsumerThreads % kPieces == 0 && kRowStep % 8 == 0 && BN % kRowStep == 0,
                 "whole rounds of rows");
-  const int piece = stat_index % kPieces, row0 = stat_index / kPieces;
+  const int consumer_thread = threadIdx.x - 128;
+  const int piece = consumer_thread % kPieces, row0 = consumer_thread / kPieces;
   const auto copy_out = [&](uint32_t tile, void* out, const TensorStrides& strides) {
     if (piece * 8 >= p.head_dim) return;
     // Rows are whole 16-byte pieces apart (the allocation's head_dim is a multiple of 8): indexed
