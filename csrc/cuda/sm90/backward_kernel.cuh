@@ -850,16 +850,17 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const auto piece_address = [&](uint32_t tile, int row, int piece) {
     return tile + row * (W * 2) + ((piece ^ (row % 8)) * 16);
   };
-  const auto stage = [&](uint32_t tile, const float(&acc)[NA / 2], float scale) {
-    // Matrix lane / 8 of each stmatrix: rows + 8 (lane / 8 % 2), the 8 columns of j + lane / 16.
+  const auto stage = [&](uint32_t tile, float(&acc)[NA / 2], float scale) {
+#pragma unroll
+    for (int i = 0; i < NA / 2; ++i) acc[i] *= scale;
+    // Matrix lane / 8 of each stmatrix: rows + 8 (lane / 8 % 2), the 8 columns of 2 kk + lane / 16,
+    // as accumulator_as_a orders a fragment's registers.
     const int row = key_row0 + 8 * (lane / 8 % 2) + lane % 8, piece0 = acc_col0 / 8 + lane / 16;
 #pragma unroll
-    for (int j = 0; j < NA / 8; j += 2) {
-      const uint32_t r[4] = {Mma::pack(acc[4 * j] * scale, acc[4 * j + 1] * scale),
-                             Mma::pack(acc[4 * j + 2] * scale, acc[4 * j + 3] * scale),
-                             Mma::pack(acc[4 * j + 4] * scale, acc[4 * j + 5] * scale),
-                             Mma::pack(acc[4 * j + 6] * scale, acc[4 * j + 7] * scale)};
-      sm90::stmatrix_x4(piece_address(tile, row, piece0 + j), r);
+    for (int kk = 0; kk < NA / 16; ++kk) {
+      uint32_t r[4];
+      accumulator_as_a<Element>(r, reinterpret_cast<const float(&)[NA / 8][4]>(acc), kk);
+      sm90::stmatrix_x4(piece_address(tile, row, piece0 + 2 * kk), r);
     }
   };
   // A consumer thread copies one piece of every kRowStep-th row (a multiple of 8: one swizzled place).
