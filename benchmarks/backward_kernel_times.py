@@ -48,7 +48,7 @@ def kernel_times(impl, head_dim: int, seqlen: int, causal: bool, calls: int):
     origin = last_call[0].time_range.start
     timeline = [(e.time_range.start - origin, e.time_range.end - origin, e.name[:80]) for e in last_call]
     wall_us = start.elapsed_time(end) * 1000 / calls
-    flops = 4 * batch * heads * seqlen * seqlen * head_dim * 2.5 / (2 if causal else 1)
+    flops = bc.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, "bwd")
     return wall_us, flops / wall_us / 1e6, per_kernel, timeline
 
 
