@@ -109,6 +109,27 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// A row's packed pairs of four n8 tiles, one per lane of its quad (v[k]: tile k's columns 2t,
+// 2t + 1 at lane t), rearranged so that lane t holds tile t's 8 columns (v[k]: columns 2k, 2k + 1):
+// a transpose of the quad's 4 x 4 words in two exchanges, so that a lane stores 16 contiguous
+// bytes instead of four 4-byte pieces.
+__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int lane) {
+#pragma unroll
+  for (int stride = 1; stride <= 2; stride *= 2) {
+    const bool upper = lane & stride;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k & stride) continue;  // the pair (k, k + stride)
+      const uint32_t sent = upper ? v[k] : v[k + stride];
+      const uint32_t received = __shfl_xor_sync(0xffffffffu, sent, stride);
+      if (upper)
+        v[k] = received;
+      else
+        v[k + stride] = received;
+    }
+  }
+}
+
 // The A fragment of k-step kk taken from fp32 accumulators whose n-tiles 2kk, 2kk+1 hold its
 // 16 columns (the C and A layouts of m16n8k16 coincide).
 template <typename Element, int kNTiles>

@@ -29,7 +29,8 @@ namespace flashattn {
 //    against two warpgroups of one block. W = 128 has no room for a second block.
 //  - dropout at W = 256: its draws beside S of the next block spill (8-80 bytes), so those
 //    variants run the products in sequence over 64-key blocks. At W = 128 softcap with dropout
-//    (without ALiBi) keeps one key loop: in three (kUnmaskedLoop) it spilled 4 bytes.
+//    and ALiBi with dropout (not the three together) keep one key loop: in three
+//    (kUnmaskedLoop) each spilled 4 bytes.
 // LongSequenceShape (void: none) runs the calls of long dense sequences (runs_long_sequence_shape):
 // at W = 64, three consumer warpgroups of 64 rows (FlashAttention-3's and FA4's 192 x 128 tile,
 // S of the next block beside P of this one in the unmasked blocks, within their 160 registers).
@@ -51,7 +52,9 @@ struct Sm90ForwardPlan<64, kMod> {
 };
 template <ScoreMod kMod>
 struct Sm90ForwardPlan<128, kMod> {
-  using Shape = Sm90ForwardShape<128, 128, 2, 3, true, 0, /*kUnmaskedLoop=*/kMod != ScoreMod::kSoftcapDropout>;
+  using Shape = Sm90ForwardShape<128, 128, 2, 3, true, 0,
+                                 /*kUnmaskedLoop=*/kMod != ScoreMod::kSoftcapDropout &&
+                                     kMod != ScoreMod::kBiasDropout>;
   using LongSequenceShape = void;
 };
 template <ScoreMod kMod>
