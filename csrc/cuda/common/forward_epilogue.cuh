@@ -31,9 +31,12 @@ __device__ __forceinline__ void store_forward_rows(const float (&acc_o)[kMTiles]
       const bool has_keys = sum > 0.f;
       const float inv_sum = has_keys ? kept_scale / sum : 0.f;
       const int row = warp_row + mt * 16 + quad_row + h * 8;
-      Output* out_row = out_ptr + int64_t(row) * out_row_stride;
+      const auto store_lse = [&] {
+        if (lane % 4 == 0) lse_ptr[row] = has_keys ? (row_max[mt][h] + log2f(sum)) * float(M_LN2) : no_key_lse;
+      };
       if constexpr (std::is_same_v<Output, float>) {
         if (row < valid_q_rows) {
+          Output* out_row = out_ptr + int64_t(row) * out_row_stride;
 #pragma unroll
           for (int dt = 0; dt < kDTiles; ++dt) {
             const int col = dt * 8 + quad_col;
@@ -41,8 +44,10 @@ __device__ __forceinline__ void store_forward_rows(const float (&acc_o)[kMTiles]
               *reinterpret_cast<float2*>(out_row + col) =
                   make_float2(acc_o[mt][dt][2 * h] * inv_sum, acc_o[mt][dt][2 * h + 1] * inv_sum);
           }
+          store_lse();
         }
       } else {
+        Output* out_row = out_ptr + int64_t(row) * out_row_stride;
         // 16 bytes per lane, a quad's 64 bytes of its row contiguous (rows 16-byte aligned: O is
         // allocated with head_dim a multiple of 8); four-byte stores of 8 rows per warp store
         // were what made the Hopper backward's epilogue slow.
@@ -59,9 +64,8 @@ __device__ __forceinline__ void store_forward_rows(const float (&acc_o)[kMTiles]
           if (row < valid_q_rows && piece * 8 < head_dim)
             reinterpret_cast<uint4*>(out_row)[piece] = make_uint4(v[0], v[1], v[2], v[3]);
         }
+        if (row < valid_q_rows) store_lse();
       }
-      if (row < valid_q_rows && lane % 4 == 0)
-        lse_ptr[row] = has_keys ? (row_max[mt][h] + log2f(sum)) * float(M_LN2) : no_key_lse;
     }
 }
 
