@@ -9,14 +9,15 @@ import sys
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
           "stall_barrier", "stall_long_sb", "stall_wait", "stall_barrier (Not Issued)",
-          "stall_long_sb (Not Issued)", "stall_wait (Not Issued)"]
-# (source, barrier, long_sb, wait): 100 samples in all.
+          "stall_long_sb (Not Issued)", "stall_wait (Not Issued)", "Instructions Executed"]
+# (source, barrier, long_sb, wait, executed): 100 samples in all; a loop of two instructions
+# (FFMA, BAR) run 8 times per run of the code around it.
 INSTRUCTIONS = [
-    ("LDG.E R2, desc[UR4][R4.64]", 0, 0, 2),
-    ("IMAD R3, R3, R2, RZ", 0, 1, 1),
-    ("FFMA R5, R2, R3, R5", 0, 60, 2),
-    ("BAR.SYNC 0x1, 0x100", 30, 0, 0),
-    ("EXIT", 0, 0, 4),
+    ("LDG.E R2, desc[UR4][R4.64]", 0, 0, 2, 16),
+    ("IMAD R3, R3, R2, RZ", 0, 1, 1, 16),
+    ("FFMA R5, R2, R3, R5", 0, 60, 2, 128),
+    ("BAR.SYNC 0x1, 0x100", 30, 0, 0, 128),
+    ("EXIT", 0, 0, 4, 16),
 ]
 
 
@@ -25,16 +26,20 @@ def hotspots(path, *args):
                           capture_output=True, text=True, timeout=60)
 
 
-def test_ncu_hotspots_charges_each_instruction_its_samples(tmp_path):
+def write_source_page(tmp_path):
     page = tmp_path / "sass.csv"
     with open(page, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["Kernel Name", "void attention_backward_sm90_kernel<...>(...)"])
         writer.writerow(HEADER)
-        for i, (source, barrier, long_sb, wait) in enumerate(INSTRUCTIONS):
+        for i, (source, barrier, long_sb, wait, executed) in enumerate(INSTRUCTIONS):
             total = barrier + long_sb + wait
-            writer.writerow([hex(0x100 + 16 * i), source, total, total, barrier, long_sb, wait, 0, 0, 0])
-    proc = hotspots(page, "--top", "2", "--context", "1")
+            writer.writerow([hex(0x100 + 16 * i), source, total, total, barrier, long_sb, wait, 0, 0, 0, executed])
+    return page
+
+
+def test_ncu_hotspots_charges_each_instruction_its_samples(tmp_path):
+    proc = hotspots(write_source_page(tmp_path), "--top", "2", "--context", "1")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "5 instructions, 100 samples"
@@ -53,3 +58,15 @@ def test_ncu_hotspots_names_a_file_without_a_source_page(tmp_path):
     proc = hotspots(page)
     assert proc.returncode != 0
     assert "has no source-page header" in proc.stderr
+
+
+def test_ncu_hotspots_regions_group_samples_by_how_often_the_code_ran(tmp_path):
+    proc = hotspots(write_source_page(tmp_path), "--regions", "5")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    counts = lines[lines.index("by execution count:") + 1:lines.index("runs of equal count with 5.0 % or more:")]
+    # The loop (128 executions): 92 of the 100 samples; the code around it (16): 8, in two runs.
+    assert [line.split() for line in counts] == [["128", "x", "2", "instructions", "92.0", "%"],
+                                                 ["16", "x", "3", "instructions", "8.0", "%"]]
+    runs = lines[lines.index("runs of equal count with 5.0 % or more:") + 1:]
+    assert len(runs) == 1 and runs[0].split()[:6] == ["2-", "3", "128", "x", "2", "instructions"]

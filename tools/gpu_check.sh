@@ -125,7 +125,8 @@ except RuntimeError as e:
       run_stage profile_details ncu -i "$WORK/profile.ncu-rep" --page details &&
       run_stage profile_sass bash -c "ncu -i '$WORK/profile.ncu-rep' --page source --csv --print-source sass \
         > '$WORK/profile_sass.csv'" &&
-      TAIL_LINES=100 run_stage profile_hotspots "$PY" tools/ncu_hotspots.py "$WORK/profile_sass.csv" ;;
+      TAIL_LINES=100 run_stage profile_hotspots "$PY" tools/ncu_hotspots.py "$WORK/profile_sass.csv" &&
+      TAIL_LINES=40 run_stage profile_regions "$PY" tools/ncu_hotspots.py "$WORK/profile_sass.csv" --regions 1.5 ;;
     bench)
       TAIL_LINES=80 run_stage bench "$PY" benchmarks/bench_attention.py --quick --out "$WORK/bench" ;;
     bench-full)
