@@ -4,8 +4,8 @@
 # Logs and result files are written under a work folder and packed into one
 # archive, $OUT/gpu_results.tgz (the device tool brings back only a few files).
 #
-#   bash tools/gpu_check.sh [build] [tests] [suite] [sanitize] [sweep] [bwd-check] [profile] [bench] [bench-full]
-#   (default: build tests)
+#   bash tools/gpu_check.sh [build] [compare] [tests] [suite] [sanitize] [sweep] [bwd-check] [profile] [bench]
+#       [bench-full]   (default: build tests)
 #
 # Environment: OUT (default /tmp/flashattn_gpu_out), GPU_WORK (the work folder),
 # MAX_JOBS (default 16),
@@ -14,7 +14,11 @@
 # PYTEST_ARGS (extra pytest arguments, e.g. "-k d128"), TEST_FILES (the tests stage's files,
 # default every tests/test_*cuda*.py),
 # PROFILE_KERNEL, PROFILE_ARGS (the profile stage: a regex of the kernel's name, default the
-# Hopper backward; tools/profile_case.py's arguments, default d 128, N 8192).
+# Hopper backward; tools/profile_case.py's arguments, default d 128, N 8192),
+# COMPARE_PREV, COMPARE_ARGS (the compare stage: a copy of an earlier commit, made here with
+# `git archive <commit> | (mkdir -p .prev_tree && tar x -C .prev_tree)`, which the build stage
+# then builds in place beside this tree, MAX_JOBS shared; tools/compare_builds.sh's
+# bench_attention.py arguments).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -49,7 +53,19 @@ for stage in "${stages[@]}"; do
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
       # Editable: the source tree is the installed package, so scripts run from the
       # repository root (benchmarks/) import the built extension too.
-      run_stage build "$PY" -m pip install --no-build-isolation --no-deps -v -e . || exit 1
+      build_jobs=$MAX_JOBS
+      if [ -n "${COMPARE_PREV:-}" ]; then
+        # The earlier tree builds at the same time, with part of the jobs.
+        prev_jobs=$(( MAX_JOBS * 2 / 5 > 1 ? MAX_JOBS * 2 / 5 : 1 ))
+        build_jobs=$(( MAX_JOBS - prev_jobs > 1 ? MAX_JOBS - prev_jobs : 1 ))
+        (cd "$COMPARE_PREV" && MAX_JOBS=$prev_jobs "$PY" setup.py build_ext --inplace > "$WORK/build_prev.log" 2>&1) &
+        prev_build=$!
+      fi
+      MAX_JOBS=$build_jobs run_stage build "$PY" -m pip install --no-build-isolation --no-deps -v -e . || exit 1
+      if [ -n "${COMPARE_PREV:-}" ]; then
+        wait "$prev_build" || { echo "=== build of $COMPARE_PREV failed (log: build_prev.log)"; tail -20 "$WORK/build_prev.log"; exit 1; }
+        echo "=== built $COMPARE_PREV beside it"
+      fi
       in_dir /tmp "$PY" -m flashattn_ext | tee "$WORK/environment.txt"
       # The toolchain facts behind the crash on C++ argument errors seen on this
       # machine (benchmarks/RESULTS.md): the link command's flags, and whether
@@ -72,6 +88,12 @@ except RuntimeError as e:
     print("a C++ argument error raises:", str(e)[:60])'
         echo "argument-error probe exit status: $? (139 = the crash)"
       } 2>&1 | tee "$WORK/toolchain.txt" ;;
+    compare)
+      # This tree against COMPARE_PREV, runs A B A B (tools/compare_builds.sh); the table is also
+      # copied to $OUT/compare.txt.
+      read -ra compare_args <<< "${COMPARE_ARGS:-}"
+      TAIL_LINES=60 run_stage compare env OUT="$WORK" bash tools/compare_builds.sh "${COMPARE_PREV:?compare needs COMPARE_PREV}" \
+        "${compare_args[@]}" && cp "$WORK/compare/compare.txt" "$OUT/compare.txt" ;;
     tests)
       # One pytest process per file, so a crash in one file still reports the others;
       # from /tmp, as CI runs them (pytest from outside the source root).
