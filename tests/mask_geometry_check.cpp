@@ -6,7 +6,6 @@
 // test_mask_geometry.py.
 #include <cstdio>
 
-#define FLASHATTN_HOST_DEVICE inline
 #include "common/attention_mask.h"
 
 using flashattn::MaskGeometry;
