@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "common/attention_mask.h"
 #include "cuda/common/mma_primitives.cuh"
@@ -115,8 +116,16 @@ __device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][
         }
     }
   }
+  // Masked (after the transform: a masked score ends as -inf whatever the transform): a score is
+  // kept where its key lies in its row's visible range [key_begin, key_end), held per row as
+  // this lane's first visible column and a count, so that a score costs one unsigned compare
+  // and a select; the mask's predicate per score (key_visible's four conditions) took about 11
+  // instructions, on the critical path of every tile's first block (RESULTS.md 2026-12-06).
+  // The KV-cache kernels' packed GQA rows keep the predicate per score: with the ranges their
+  // W 192 and 256 kernels spilled 8-24 bytes (and their masked blocks are few: a cache's end).
+  constexpr bool kRowRanges = std::is_same_v<Mask, MaskGeometry>;
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
+  for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -126,12 +135,28 @@ __device__ __forceinline__ void softmax_scores(float (&acc_s)[kMTiles][kNTiles][
           s = transform.pre_logit(s);
         else if constexpr (!Transform::kBiasFrame)
           s = transform(s, Transform::kUsesDistance ? row_distance[mt][e / 2] - float(nt * 8 + e % 2) : 0.f);
-        if (kMasked) {
+        if constexpr (kMasked && !kRowRanges) {
           const int i = warp_row_begin + mt * 16 + quad_row + (e / 2) * 8;
           const int j = n_begin + nt * 8 + quad_col + (e % 2);
           if (!mask.visible(i, j)) s = -INFINITY;
         }
       }
+    if constexpr (kMasked && kRowRanges) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp_row_begin + mt * 16 + quad_row + h * 8;
+        // count 0 where the row sees no key (a causal row above the keys' diagonal).
+        const int key_begin = mask.key_begin(row);
+        const int first = key_begin - (n_begin + quad_col);
+        const unsigned count = max(mask.key_end(row + 1) - key_begin, 0);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (unsigned(nt * 8 + e - first) >= count) acc_s[mt][nt][2 * h + e] = -INFINITY;
+      }
+    }
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
