@@ -128,7 +128,7 @@
 namespace flashattn {
 
 template <int kHeadDim_, bool kSplitHeadDim_, int kStages_ = 2, int kBlockM_ = 64, bool kDkAfterDq_ = true,
-          bool kLaggedDq_ = true>
+          bool kLaggedDq_ = true, bool kWindowFree_ = false>
 struct Sm90BackwardShape {
   static constexpr int kHeadDim = kHeadDim_;  // the head-dim tile W
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
@@ -182,6 +182,9 @@ struct Sm90BackwardShape {
   // late, so that the warpgroups need not meet at one point of every iteration (the kernel's
   // loop); else after a named barrier of both, as by head dims.
   static constexpr bool kLaggedDq = kLaggedDq_ && !kSplitHeadDim;
+  // Launched only for calls without a window (the plan's UnmaskedShape, where it is its own type):
+  // the mask is then only the end of the keys.
+  static constexpr bool kWindowFree = kWindowFree_;
   static constexpr int kDqBytes = kBlockM * kHeadDim * 4;
   static constexpr int kOffDq = kOffD + 2 * kRowStatBytes;
   static constexpr int kOffBarriers = kOffDq + (kDqThroughSharedMemory ? kDqBytes : 0);
@@ -229,13 +232,19 @@ __device__ __forceinline__ float2 row_stat_pair(const float* row_stats, int j, i
 
 // Pᵀ in place of Sᵀ (this warp's 16 keys x kColumns queries, the m16n8 accumulator layout:
 // element 4j + e is key row g + 8 (e / 2), query 8j + 2t + e % 2; lse2_row: the lse2 of the
-// warpgroup's queries in shared memory). kMasked: the tile is cut by the mask or the end of the keys; keys past
-// seqlen_k have an empty visible range. key_distance[half]: the ALiBi distance (query + seqlen_k
+// warpgroup's queries in shared memory). kMask: kElements where the tile is cut by the mask or the
+// end of the keys (keys past seqlen_k have an empty visible range); kKeyRows without a window, where
+// a key sees every query or, past seqlen_k, none: one select per score on a per-lane predicate and
+// no branch (in a block of their own, before the branches merged, the exponentials ran back to
+// back, each waiting on the MUFU pipe; in one block with dS they interleave with it, as in FA4's
+// SASS); kNone where the tile is whole. key_distance[half]: the ALiBi distance (query + seqlen_k
 // - seqlen_q - key) of query0 + 2t from the lane's key of that half. With softcap, the
 // derivative 1 - t^2 of each pair waits for dS at tanh_derivative(j, half), this lane's own
 // slot of the score tile dS goes to (registers are what the kernel lacks: 36 bytes of spills
 // at W = 128).
-template <bool kMasked, int kColumns, typename Transform, typename DerivativeSlot>
+enum class ProbabilityMask { kNone, kKeyRows, kElements };
+
+template <ProbabilityMask kMask, int kColumns, typename Transform, typename DerivativeSlot>
 __device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2], const float* lse2_row,
                                                         const Transform& transform, const float (&key_distance)[2],
                                                         const DerivativeSlot& tanh_derivative, int query0,
@@ -256,9 +265,11 @@ __device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2]
       const float distance = key_distance[e >> 1] + float(8 * j + (e & 1));
       // lse2 = +inf (a query that sees no key, or past seqlen_q) gives exp2(-inf) = 0.
       const float x = fast_exp2(transform.logit_of(s[4 * j + e], distance, -((e & 1) ? lse2.y : lse2.x)));
-      if constexpr (kMasked) {
+      if constexpr (kMask == ProbabilityMask::kElements) {
         const int query = query0 + 8 * j + 2 * t + (e & 1);
         s[4 * j + e] = query >= visible_begin[e >> 1] && query < visible_end[e >> 1] ? x : 0.f;
+      } else if constexpr (kMask == ProbabilityMask::kKeyRows) {
+        s[4 * j + e] = visible_end[e >> 1] > 0 ? x : 0.f;
       } else {
         s[4 * j + e] = x;
       }
@@ -724,13 +735,17 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       for (int half = 0; half < 2; ++half)
         key_distance[half] = float(mask.diagonal_of_row(wg_query_begin + 2 * t) - (n0 + key_row0 + g + 8 * half));
     }
-    if (mask.tile_fully_visible(wg_query_begin, min(wg_query_begin + NQ, seq.seqlen_q), wg_key_begin,
-                                wg_key_begin + Shape::kKeysPerWarpgroup))
-      backward::scores_to_probabilities<false, NQ>(s, lse2_row, transform, key_distance, tanh_derivative,
-                                                   wg_query_begin, visible_begin, visible_end, t);
+    using backward::ProbabilityMask;
+    if constexpr (Shape::kWindowFree)
+      backward::scores_to_probabilities<ProbabilityMask::kKeyRows, NQ>(
+          s, lse2_row, transform, key_distance, tanh_derivative, wg_query_begin, visible_begin, visible_end, t);
+    else if (mask.tile_fully_visible(wg_query_begin, min(wg_query_begin + NQ, seq.seqlen_q), wg_key_begin,
+                                     wg_key_begin + Shape::kKeysPerWarpgroup))
+      backward::scores_to_probabilities<ProbabilityMask::kNone, NQ>(
+          s, lse2_row, transform, key_distance, tanh_derivative, wg_query_begin, visible_begin, visible_end, t);
     else
-      backward::scores_to_probabilities<true, NQ>(s, lse2_row, transform, key_distance, tanh_derivative,
-                                                  wg_query_begin, visible_begin, visible_end, t);
+      backward::scores_to_probabilities<ProbabilityMask::kElements, NQ>(
+          s, lse2_row, transform, key_distance, tanh_derivative, wg_query_begin, visible_begin, visible_end, t);
 
     sm90::wgmma_wait<0>();
     sm90::fence_registers(dp);

@@ -52,8 +52,8 @@ template <ScoreMod kMod>
 struct Sm90BackwardPlan<128, kMod> {
   using Shape = Sm90BackwardShape<128, false>;
   // At 80 queries the lagged dQ measured 0.90-0.98 x the named barrier (H100, N 1024-16384).
-  using UnmaskedShape =
-      std::conditional_t<kMod == ScoreMod::kNone, Sm90BackwardShape<128, false, 2, 80, true, false>, Shape>;
+  using UnmaskedShape = std::conditional_t<kMod == ScoreMod::kNone,
+                                           Sm90BackwardShape<128, false, 2, 80, true, false, /*kWindowFree=*/true>, Shape>;
 };
 template <ScoreMod kMod>
 struct Sm90BackwardPlan<256, kMod> {
