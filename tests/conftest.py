@@ -70,6 +70,26 @@ def pytest_report_header(config):
     ]
 
 
+# A build of some of SOURCES.txt's tile widths only (FLASHATTN_HEAD_DIMS, to build and test one
+# kernel change quickly on the GPU machine) refuses the other head dims by design; their cases
+# are reported as skipped there, with the refusal as the reason. A build of every width never
+# refuses one, so nothing is skipped this way in CI or a full build.
+_COMPILED_TILES = set(flashattn_ext.build_info()["head_dim_tiles"].split())
+_SOME_TILES_ONLY = bool(_COMPILED_TILES) and (
+    _COMPILED_TILES < set(cmake_build.setup_py_module().read_sources()["tiles"]))
+_TILE_NOT_COMPILED = "needs a tile width this build did not compile"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if (_SOME_TILES_ONLY and report.failed and call.excinfo is not None
+            and call.excinfo.errisinstance(NotImplementedError)
+            and _TILE_NOT_COMPILED in str(call.excinfo.value)):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {call.excinfo.value}")
+
+
 @pytest.fixture(scope="session")
 def cmake_cpu_build(tmp_path_factory):
     """The CPU-only CMake build with the examples (about a minute and a half on two

@@ -10,7 +10,8 @@
 # Environment: OUT (default /tmp/flashattn_gpu_out), GPU_WORK (the work folder),
 # MAX_JOBS (default 16),
 # FLASHATTN_CUDA_ARCHS (default 90a: only the GPU's own target, for a quick build),
-# FLASHATTN_HEAD_DIMS (restrict the compiled tiles while iterating),
+# FLASHATTN_HEAD_DIMS (restrict the compiled tiles while iterating; the tests report the other
+# tiles' head dims as skipped),
 # PYTEST_ARGS (extra pytest arguments, e.g. "-k d128"), TEST_FILES (the tests stage's files,
 # default every tests/test_*cuda*.py),
 # PROFILE_KERNEL, PROFILE_ARGS (the profile stage: a regex of the kernel's name, default the
