@@ -232,24 +232,41 @@ __device__ __forceinline__ float2 row_stat_pair(const float* row_stats, int j, i
 
 // Pᵀ in place of Sᵀ (this warp's 16 keys x kColumns queries, the m16n8 accumulator layout:
 // element 4j + e is key row g + 8 (e / 2), query 8j + 2t + e % 2; lse2_row: the lse2 of the
-// warpgroup's queries in shared memory). kMask: kElements where the tile is cut by the mask or the
-// end of the keys (keys past seqlen_k have an empty visible range); kKeyRows without a window, where
-// a key sees every query or, past seqlen_k, none: one select per score on a per-lane predicate and
-// no branch (in a block of their own, before the branches merged, the exponentials ran back to
-// back, each waiting on the MUFU pipe; in one block with dS they interleave with it, as in FA4's
-// SASS); kNone where the tile is whole. key_distance[half]: the ALiBi distance (query + seqlen_k
-// - seqlen_q - key) of query0 + 2t from the lane's key of that half. With softcap, the
-// derivative 1 - t^2 of each pair waits for dS at tanh_derivative(j, half), this lane's own
-// slot of the score tile dS goes to (registers are what the kernel lacks: 36 bytes of spills
-// at W = 128).
-enum class ProbabilityMask { kNone, kKeyRows, kElements };
-
-template <ProbabilityMask kMask, int kColumns, typename Transform, typename DerivativeSlot>
+// warpgroup's queries in shared memory), in three passes: the logits, the mask, the exponentials.
+// The mask sets a hidden score's logit to -inf (exp2 gives 0) and the exponentials come after the
+// mask's branch has merged, in one basic block with dS, which ptxas interleaves them with: in a
+// block of their own (one per masked or unmasked path), they ran back to back, each waiting on the
+// MUFU pipe. kWindowFree (no window, no causal mask: a key sees every query or, past seqlen_k,
+// none): one select per score on a per-lane predicate, no branch. Else `cut` (the tile is cut by
+// the mask or the end of the keys) selects each score by its query against the lane's visible
+// range [visible_begin, visible_end) of that half's key. !kMaskLogits masks Pᵀ after the
+// exponentials instead (the kernel's kMaskLogits says where). key_distance[half]: the
+// ALiBi distance (query + seqlen_k - seqlen_q - key) of query0 + 2t from the lane's key of that
+// half. With softcap, the derivative 1 - t^2 of each pair waits for dS at tanh_derivative(j,
+// half), this lane's own slot of the score tile dS goes to (registers are what the kernel lacks:
+// 36 bytes of spills at W = 128).
+template <bool kWindowFree, bool kMaskLogits, int kColumns, typename Transform, typename DerivativeSlot>
 __device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2], const float* lse2_row,
                                                         const Transform& transform, const float (&key_distance)[2],
-                                                        const DerivativeSlot& tanh_derivative, int query0,
+                                                        const DerivativeSlot& tanh_derivative, bool cut, int query0,
                                                         const int (&visible_begin)[2], const int (&visible_end)[2],
                                                         int t) {
+  const auto visible = [&](int j, int e) {
+    if constexpr (kWindowFree) {
+      return visible_end[e >> 1] > 0;
+    } else {
+      const int query = query0 + 8 * j + 2 * t + (e & 1);
+      return query >= visible_begin[e >> 1] && query < visible_end[e >> 1];
+    }
+  };
+  const auto mask_with = [&](float hidden) {
+    if (kWindowFree || cut) {
+#pragma unroll
+      for (int j = 0; j < kColumns / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * j + e] = visible(j, e) ? s[4 * j + e] : hidden;
+    }
+  };
 #pragma unroll
   for (int j = 0; j < kColumns / 8; ++j) {
     const float2 lse2 = row_stat_pair(lse2_row, j, t);
@@ -260,21 +277,16 @@ __device__ __forceinline__ void scores_to_probabilities(float (&s)[kColumns / 2]
       for (int half = 0; half < 2; ++half)
         *tanh_derivative(j, half) = pack_tanh_derivative(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]);
     }
+    // lse2 = +inf (a query that sees no key, or past seqlen_q) gives exp2(-inf) = 0.
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float distance = key_distance[e >> 1] + float(8 * j + (e & 1));
-      // lse2 = +inf (a query that sees no key, or past seqlen_q) gives exp2(-inf) = 0.
-      const float x = fast_exp2(transform.logit_of(s[4 * j + e], distance, -((e & 1) ? lse2.y : lse2.x)));
-      if constexpr (kMask == ProbabilityMask::kElements) {
-        const int query = query0 + 8 * j + 2 * t + (e & 1);
-        s[4 * j + e] = query >= visible_begin[e >> 1] && query < visible_end[e >> 1] ? x : 0.f;
-      } else if constexpr (kMask == ProbabilityMask::kKeyRows) {
-        s[4 * j + e] = visible_end[e >> 1] > 0 ? x : 0.f;
-      } else {
-        s[4 * j + e] = x;
-      }
-    }
+    for (int e = 0; e < 4; ++e)
+      s[4 * j + e] = transform.logit_of(s[4 * j + e], key_distance[e >> 1] + float(8 * j + (e & 1)),
+                                        -((e & 1) ? lse2.y : lse2.x));
   }
+  if constexpr (kMaskLogits) mask_with(-INFINITY);
+#pragma unroll
+  for (int i = 0; i < kColumns / 2; ++i) s[i] = fast_exp2(s[i]);
+  if constexpr (!kMaskLogits) mask_with(0.f);
 }
 
 // Where the 16-byte chunk `chunk` (8 queries from query 8 * chunk) of key row key_row0 + r sits in a
@@ -358,6 +370,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   constexpr int kStages = Shape::kStages;
   constexpr bool kSplit = Shape::kSplitHeadDim;
   constexpr int NQ = Shape::kQueriesPerWarpgroup, NA = Shape::kAccColumns;
+  // Pᵀ masked before its exponentials (scores_to_probabilities), except where dropout's keep bits
+  // of 128 queries leave no registers for it (16 bytes of spills at W = 64).
+  constexpr bool kMaskLogits = !(has_dropout(kMod) && W == 64 && NQ == 128);
   using Mma = MmaElement<Element>;
   const AttentionBwdParams& p = args.params;
 
@@ -735,17 +750,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       for (int half = 0; half < 2; ++half)
         key_distance[half] = float(mask.diagonal_of_row(wg_query_begin + 2 * t) - (n0 + key_row0 + g + 8 * half));
     }
-    using backward::ProbabilityMask;
-    if constexpr (Shape::kWindowFree)
-      backward::scores_to_probabilities<ProbabilityMask::kKeyRows, NQ>(
-          s, lse2_row, transform, key_distance, tanh_derivative, wg_query_begin, visible_begin, visible_end, t);
-    else if (mask.tile_fully_visible(wg_query_begin, min(wg_query_begin + NQ, seq.seqlen_q), wg_key_begin,
-                                     wg_key_begin + Shape::kKeysPerWarpgroup))
-      backward::scores_to_probabilities<ProbabilityMask::kNone, NQ>(
-          s, lse2_row, transform, key_distance, tanh_derivative, wg_query_begin, visible_begin, visible_end, t);
-    else
-      backward::scores_to_probabilities<ProbabilityMask::kElements, NQ>(
-          s, lse2_row, transform, key_distance, tanh_derivative, wg_query_begin, visible_begin, visible_end, t);
+    const bool cut = !mask.tile_fully_visible(wg_query_begin, min(wg_query_begin + NQ, seq.seqlen_q), wg_key_begin,
+                                              wg_key_begin + Shape::kKeysPerWarpgroup);
+    backward::scores_to_probabilities<Shape::kWindowFree, kMaskLogits, NQ>(
+        s, lse2_row, transform, key_distance, tanh_derivative, cut, wg_query_begin, visible_begin, visible_end, t);
 
     sm90::wgmma_wait<0>();
     sm90::fence_registers(dp);
