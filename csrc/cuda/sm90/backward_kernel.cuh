@@ -370,9 +370,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   constexpr int kStages = Shape::kStages;
   constexpr bool kSplit = Shape::kSplitHeadDim;
   constexpr int NQ = Shape::kQueriesPerWarpgroup, NA = Shape::kAccColumns;
-  // Pᵀ masked before its exponentials (scores_to_probabilities), except where dropout's keep bits
-  // of 128 queries leave no registers for it (16 bytes of spills at W = 64).
-  constexpr bool kMaskLogits = !(has_dropout(kMod) && W == 64 && NQ == 128);
+  // Pᵀ masked before its exponentials (scores_to_probabilities), except at W = 64: there the mask
+  // after them keeps the exponentials ahead of the wait for dPᵀ, under its product, and dropout's
+  // keep bits of 128 queries leave no registers for the mask before them (16 bytes of spills).
+  // W = 64 softcap alone spills 4 bytes with the mask after them.
+  constexpr bool kMaskLogits = W != 64 || kMod == ScoreMod::kSoftcap;
   using Mma = MmaElement<Element>;
   const AttentionBwdParams& p = args.params;
 
