@@ -55,8 +55,8 @@ VARIANTS = {"plain": (), "softcap": ("softcap",), "alibi": ("alibi",), "sink": (
 # The variants FlashAttention-4 runs here: its flash_attn_func takes softcap=.
 FA4_VARIANTS = ("plain", "softcap")
 FA4_NO_DROPOUT = "FlashAttention-4's flash_attn_func has no dropout"
-# Cost against plain, at most: a score modifier's 5 %; dropout's 15 % (a Philox-4x32-10 draw,
-# about 50 integer operations, per 8 probabilities, forward and again in the backward).
+# Cost against plain, at most: a score modifier's 5 %; dropout's 15 % (a Philox-4x32-7 draw,
+# about 30 integer operations, per 16 probabilities, forward and again in the backward).
 COST_TARGET = 0.05
 DROPOUT_COST_TARGET = 0.15
 # The rng_state [seed, offset] of every dropout call (a seed with its high word set).

@@ -31,8 +31,8 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // that sees no key gets out = 0 and lse = +inf. `deterministic` does not change the
   // forward: it is the choice of backward, carried by the op so that its autograd
   // formula (flashattn_ext/ops.py) needs no state of its own.
-  // Dropout (dropout_p > 0) keeps each probability with probability 1 - dropout_p and
-  // scales it by 1 / (1 - dropout_p) before P V; the mask is a function of rng_state
+  // Dropout (dropout_p > 0) keeps each probability with probability 1 - dropout_p (rounded
+  // to a multiple of 1/256) and scales it by 1 / (1 - dropout_p) before P V; the mask is a function of rng_state
   // (int64 [seed, offset]) and the element's position (csrc/common/philox.h). lse is that of the
   // undropped probabilities.
   m.def(

@@ -31,7 +31,8 @@ device, so ``torch.manual_seed`` reproduces a call bit for bit and consecutive c
 different masks; the mask is a function of the seed and the element's position, so the
 backward regenerates it and it does not depend on the thread count or the backend (the
 CPU and CUDA kernels compute the same function, csrc/common/philox.h). dropout_p is
-applied in steps of 2^-16 (each element's 16-bit word decides it).
+applied rounded to a multiple of 1/256, as in flash-attn 2's kernels (each element's byte
+decides it; the kept ones are still scaled by exactly 1 / (1 - dropout_p)).
 
 Differences from flash-attn, all deliberate:
 

@@ -1,20 +1,20 @@
 """The dropout mask, written from its definition independently of the library (it shares
 no code with csrc/common/philox.h or the kernels), for the tests and benchmarks/bench_variants.py.
 
-Definition. Element (row i, column j) of head h of batch entry b (i, j within that entry's
-own sequences; in a variable-length batch, positions within each sequence and b its index)
-is kept iff its 16-bit word is >= threshold = min(floor(p * 65536 + 0.5), 65535); the kept
-probabilities are scaled by exactly 1 / (1 - p). One Philox-4x32-10 draw decides 8 elements:
+Definition. Element (query row i, key column j) of head h of batch entry b (i, j within that
+entry's own sequences; in a variable-length batch, positions within each sequence and b its
+index) is kept iff its byte is >= threshold = min(floor(p * 256 + 0.5), 255); the kept
+probabilities are scaled by exactly 1 / (1 - p). One Philox-4x32-7 draw decides 16 elements:
 
 * counter = [lo32(pos), hi32(pos), row_group, batch_head], key = [lo32(seed), hi32(seed)],
-  pos = offset + column_group (64 bits), row_group = 8 * (i // 16) + i % 8,
+  pos = offset + column_group (64 bits), row_group = 4 * (i // 16) + (i % 8) // 2,
   column_group = 4 * (j // 16) + (j % 8) // 2, batch_head = b * nheads_q + h;
-* the element reads word 2 * ((i % 16) // 8) + (j % 16) // 8 of the draw, its low 16 bits
-  for an even j and its high 16 bits for an odd one.
+* the element reads byte 2 * ((j % 16) // 8) + j % 2 (bits 8 * byte ..) of word
+  2 * (i % 2) + (i % 16) // 8 of the draw.
 
 rng_state = [seed, offset] is what flash_attn_func draws per call (offset 0).
 
-Philox-4x32-10 (Salmon et al., SC 2011; Random123's philox4x32_10): 10 rounds of
+Philox-4x32-7 (Salmon et al., SC 2011; Random123's philox4x32_7): 7 rounds of
 (hi0, lo0) = M0 * c0, (hi1, lo1) = M1 * c2, c = [hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0],
 then the key bumped by the Weyl constants. Two implementations here: one on Python ints
 (exact by construction; the known-answer tests and the element-by-element check use it) and
@@ -34,37 +34,38 @@ import torch
 
 MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
 WEYL = (0x9E3779B9, 0xBB67AE85)
-ROUNDS = 10
+ROUNDS = 7
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
 
-# Random123's kat_vectors, the three "philox4x32 10" lines: counter (4 words), key (2 words),
+# Random123's kat_vectors, the three "philox4x32 7" lines: counter (4 words), key (2 words),
 # expected output (4 words).
 KNOWN_ANSWERS = (
     ((0x00000000, 0x00000000, 0x00000000, 0x00000000), (0x00000000, 0x00000000),
-     (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)),
+     (0x5f6fb709, 0x0d893f64, 0x4f121f81, 0x4f730a48)),
     ((0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff), (0xffffffff, 0xffffffff),
-     (0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd)),
+     (0x5207ddc2, 0x45165e59, 0x4d8ee751, 0x8c52f662)),
     ((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0),
-     (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1)),
+     (0x4dfccaba, 0x190a87f0, 0xc47362ba, 0xb6b5242a)),
 )
 
 
 def threshold_of(dropout_p: float) -> int:
-    """The 16-bit words below it drop their element: min(floor(p * 65536 + 0.5), 65535)."""
-    steps = int(dropout_p * 65536.0 + 0.5)  # non-negative: int() is floor
-    return min(steps, 65535)
+    """The bytes below it drop their element: min(floor(p * 256 + 0.5), 255)."""
+    steps = int(dropout_p * 256.0 + 0.5)  # non-negative: int() is floor
+    return min(steps, 255)
 
 
 def keep_probability(dropout_p: float) -> float:
-    """The exact keep rate the quantised threshold gives: 1 - threshold / 2^16."""
-    return 1.0 - threshold_of(dropout_p) / 65536.0
+    """The exact keep rate the quantised threshold gives: 1 - threshold / 256, within 1/512 of
+    1 - p."""
+    return 1.0 - threshold_of(dropout_p) / 256.0
 
 
 # ---- Python ints ----------------------------------------------------------------------------
 
-def philox4x32_10_scalar(counter: Sequence[int], key: Sequence[int]) -> Tuple[int, int, int, int]:
-    """One Philox-4x32-10 block on Python ints: counter 4 words, key 2 words."""
+def philox4x32_7_scalar(counter: Sequence[int], key: Sequence[int]) -> Tuple[int, int, int, int]:
+    """One Philox-4x32-7 block on Python ints: counter 4 words, key 2 words."""
     c0, c1, c2, c3 = (int(c) & MASK32 for c in counter)
     k0, k1 = (int(k) & MASK32 for k in key)
     for _ in range(ROUNDS):
@@ -81,13 +82,13 @@ def philox4x32_10_scalar(counter: Sequence[int], key: Sequence[int]) -> Tuple[in
 def element_keeps(seed: int, offset: int, dropout_p: float, batch_head: int, i: int, j: int) -> bool:
     """Whether element (i, j) of batch_head is kept, straight from the definition, one draw."""
     seed, offset = int(seed) & MASK64, int(offset) & MASK64
-    row_group = 8 * (i // 16) + i % 8
+    row_group = 4 * (i // 16) + (i % 8) // 2
     column_group = 4 * (j // 16) + (j % 8) // 2
     pos = (offset + column_group) & MASK64
-    words = philox4x32_10_scalar((pos & MASK32, pos >> 32, row_group, batch_head), (seed & MASK32, seed >> 32))
-    word = words[2 * ((i % 16) // 8) + (j % 16) // 8]
-    half = (word >> 16) if j % 2 else (word & 0xFFFF)
-    return half >= threshold_of(dropout_p)
+    words = philox4x32_7_scalar((pos & MASK32, pos >> 32, row_group, batch_head), (seed & MASK32, seed >> 32))
+    word = words[2 * (i % 2) + (i % 16) // 8]
+    byte = (word >> (8 * (2 * ((j % 16) // 8) + j % 2))) & 0xFF
+    return byte >= threshold_of(dropout_p)
 
 
 # ---- torch int64, vectorised ----------------------------------------------------------------
@@ -104,8 +105,8 @@ def _mul_hi_lo(a: torch.Tensor, multiplier: int) -> Tuple[torch.Tensor, torch.Te
     return hi, lo
 
 
-def philox4x32_10(counter: Sequence[torch.Tensor], key: Sequence[int]) -> List[torch.Tensor]:
-    """Philox-4x32-10 on int64 tensors holding 32-bit words (broadcast together); key two
+def philox4x32_7(counter: Sequence[torch.Tensor], key: Sequence[int]) -> List[torch.Tensor]:
+    """Philox-4x32-7 on int64 tensors holding 32-bit words (broadcast together); key two
     Python ints. Returns the 4 output words as int64 tensors in [0, 2^32)."""
     c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c, dtype=torch.int64) & MASK32 for c in counter))
     k0, k1 = (int(k) & MASK32 for k in key)
@@ -123,8 +124,8 @@ def keep_mask(seed: int, offset: int, dropout_p: float, batch_heads, seqlen_q: i
     """bool (*batch_heads.shape, seqlen_q, seqlen_k): the kept elements of each batch_head
     value (b * nheads_q + h) in batch_heads, rows and columns at positions 0.. within the entry.
 
-    All draws of a 16 x 16 tile grid are made at once: row groups 0 .. 8 * ceil(seqlen_q / 16),
-    column groups 0 .. 4 * ceil(seqlen_k / 16); then each element picks its draw, word and half."""
+    All draws of a 16 x 16 tile grid are made at once: row groups 0 .. 4 * ceil(seqlen_q / 16),
+    column groups 0 .. 4 * ceil(seqlen_k / 16); then each element picks its draw, word and byte."""
     seed, offset = int(seed) & MASK64, int(offset) & MASK64
     batch_heads = torch.as_tensor(batch_heads, dtype=torch.int64, device=device)
     device = batch_heads.device
@@ -132,7 +133,7 @@ def keep_mask(seed: int, offset: int, dropout_p: float, batch_heads, seqlen_q: i
     tiles_q, tiles_k = -(-seqlen_q // 16), -(-seqlen_k // 16)
     if batch_heads.numel() == 0 or tiles_q == 0 or tiles_k == 0:
         return torch.zeros(*lead, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
-    row_groups = torch.arange(8 * tiles_q, dtype=torch.int64, device=device)
+    row_groups = torch.arange(4 * tiles_q, dtype=torch.int64, device=device)
     column_groups = torch.arange(4 * tiles_k, dtype=torch.int64, device=device)
     # pos = offset + column_group as 64 bits, split into its two words (Python ints for the
     # offset: no int64 overflow even for offsets >= 2^63).
@@ -141,19 +142,19 @@ def keep_mask(seed: int, offset: int, dropout_p: float, batch_heads, seqlen_q: i
     pos_lo = pos_lo_sum & MASK32
     pos_hi = ((pos_lo_sum >> 32) + offset_hi) & MASK32
     bh = batch_heads.reshape(-1, 1, 1)
-    words = philox4x32_10((pos_lo.view(1, 1, -1), pos_hi.view(1, 1, -1), row_groups.view(1, -1, 1), bh),
-                          (seed & MASK32, seed >> 32))
+    words = philox4x32_7((pos_lo.view(1, 1, -1), pos_hi.view(1, 1, -1), row_groups.view(1, -1, 1), bh),
+                         (seed & MASK32, seed >> 32))
     threshold = threshold_of(dropout_p)
-    # keeps[bh, row_group, column_group, word, half]
-    keeps = torch.stack([torch.stack([(w & 0xFFFF) >= threshold, (w >> 16) >= threshold], dim=-1) for w in words],
-                        dim=-2)
-    # word = 2 * a + b, a = (i % 16) // 8, b = (j % 16) // 8: lay out [bh, row_group, a, column_group, b, half]
-    keeps = keeps.view(bh.size(0), 8 * tiles_q, 4 * tiles_k, 2, 2, 2).permute(0, 1, 3, 2, 4, 5)
-    keeps = keeps.reshape(bh.size(0), 8 * tiles_q * 2, 4 * tiles_k * 4)
+    # keeps[bh, row_group, column_group, word, byte]
+    keeps = torch.stack([torch.stack([((w >> (8 * k)) & 0xFF) >= threshold for k in range(4)], dim=-1)
+                         for w in words], dim=-2)
+    # The word depends on the row only and the byte on the column only: lay out
+    # [bh, row_group, word, column_group, byte].
+    keeps = keeps.permute(0, 1, 3, 2, 4).reshape(bh.size(0), 4 * tiles_q * 4, 4 * tiles_k * 4)
     i = torch.arange(seqlen_q, dtype=torch.int64, device=device)
     j = torch.arange(seqlen_k, dtype=torch.int64, device=device)
-    rows = (8 * (i // 16) + i % 8) * 2 + (i % 16) // 8
-    columns = (4 * (j // 16) + (j % 8) // 2) * 4 + ((j % 16) // 8) * 2 + j % 2
+    rows = (4 * (i // 16) + (i % 8) // 2) * 4 + 2 * (i % 2) + (i % 16) // 8
+    columns = (4 * (j // 16) + (j % 8) // 2) * 4 + 2 * ((j % 16) // 8) + j % 2
     mask = keeps.index_select(1, rows).index_select(2, columns)
     return mask.view(*lead, seqlen_q, seqlen_k)
 

@@ -70,7 +70,7 @@ struct AttentionFwdParams {
   // Dropout (common/philox.h): nullptr: off; else the call's [seed, offset] in the kernels'
   // memory, read by them (never by the host: CUDA-graph capture replays fresh values).
   const int64_t* rng_state;
-  uint32_t dropout_threshold;  // a 16-bit word below it drops its probability
+  uint32_t dropout_threshold;  // a byte below it drops its probability (common/philox.h)
   float dropout_scale;         // 1 / (1 - dropout_p), the scale of a kept probability
 
   bool is_bf16;  // else fp16 (CUDA); the CPU backend dispatches on its own

@@ -202,16 +202,14 @@ void dropout_keep_scales(const Problem<acc_t>& pb, int64_t b, int64_t h, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     acc_t* const row = data + r * cols;
     const int64_t i = i0 + r;
-    // A draw decides four columns of row i: 2c, 2c + 1, 2c + 8, 2c + 9 of a 16-column tile.
+    // A draw decides four columns of row i: 2t, 2t + 1, 2t + 8, 2t + 9 of a 16-column tile.
     for (int64_t tile = (j0 / 16) * 16; tile < j0 + cols; tile += 16)
-      for (int64_t quad = 0; quad < 4; ++quad) {
+      for (int64_t t = 0; t < 4; ++t) {
         const PhiloxWords words = generator.draw(batch_head, DropoutGenerator::row_group(i),
-                                                 DropoutGenerator::column_group(tile + 2 * quad));
-        for (int64_t j : {tile + 2 * quad, tile + 2 * quad + 1, tile + 2 * quad + 8, tile + 2 * quad + 9})
+                                                 DropoutGenerator::column_group(tile + 2 * t));
+        for (int64_t j : {tile + 2 * t, tile + 2 * t + 1, tile + 2 * t + 8, tile + 2 * t + 9})
           if (j >= j0 && j < j0 + cols)
-            row[j - j0] = generator.keeps(DropoutGenerator::half_of(words.w[DropoutGenerator::word_of(i, j)], j))
-                              ? pb.dropout_scale
-                              : acc_t(0);
+            row[j - j0] = generator.keeps(DropoutGenerator::byte_of(words, i, j)) ? pb.dropout_scale : acc_t(0);
       }
   }
 }

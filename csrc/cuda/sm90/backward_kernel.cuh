@@ -722,7 +722,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     if constexpr (has_dropout(kMod)) {
       constexpr int kDrawColumns = NQ < 64 ? NQ : 64;  // one call's 32 bits
       static_assert(NQ % kDrawColumns == 0, "whole draws of the warpgroup's queries");
-#pragma unroll
+      // One part at a time: with both parts' draws in flight, W = 64 (128 queries) spilled 24 bytes.
+#pragma unroll 1
       for (int part = 0; part < NQ / kDrawColumns; ++part)
         keep_bits |= KeepBits(DropoutMask(p, b, h).transposed_keep_bits<kDrawColumns>(
                          (n0 + key_row0) / 16, m0 + wg_query0 + part * kDrawColumns, lane))

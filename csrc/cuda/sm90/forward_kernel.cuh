@@ -266,7 +266,9 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
         const int n_begin = (blk.n_block_last - it) * kBlockN;
         return blk.mask.tile_fully_visible(blk.m_begin, blk.m_begin + kBlockM, n_begin, n_begin + kBlockN);
       };
-      // The softmax of block `it`'s scores, P left in acc_s (with dropout, the dropped ones 0).
+      // With dropout, which of a block's P the mask keeps, from its softmax until P is packed.
+      uint32_t keep_flags[kBlockN / 16][2];
+      // The softmax of block `it`'s scores, P left in acc_s (with dropout, its keep_flags drawn).
       const auto softmax_block = [&](Sm90KeyBlock kind, float (&acc_s)[1][kNTiles][4], float (&corrections)[1][2],
                                      int it) {
         const int n_begin = (blk.n_block_last - it) * kBlockN;
@@ -277,7 +279,8 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
           softmax_scores<false>(acc_s, row_max, row_sum, corrections, Transform(params, blk.batch, blk.head),
                                 blk.mask, blk.m_begin + warp_row, n_begin, lane);
         if constexpr (has_dropout(kMod))
-          DropoutMask(params, blk.batch, blk.head).drop_rows(acc_s[0], (blk.m_begin + warp_row) / 16, n_begin, lane);
+          DropoutMask(params, blk.batch, blk.head).row_keep_flags(keep_flags, (blk.m_begin + warp_row) / 16, n_begin,
+                                                                  lane);
       };
       // P packed into the A fragments of P V (two n8 accumulator tiles = one k16 fragment).
       const auto pack_p = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p)[kBlockN / 16][4]) {
@@ -285,6 +288,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
           accumulator_as_a<Element>(p[kk], acc_s[0], kk);
         }
+        if constexpr (has_dropout(kMod)) DropoutMask::drop_packed(p, keep_flags);
       };
 
       // Software pipeline within the warpgroup: while O += P_it V_it runs on the
