@@ -68,7 +68,8 @@ FLASHATTN_HOST_DEVICE PhiloxWords philox4x32_7(PhiloxWords counter, uint32_t key
 // the queries as rows (the forward) or with the keys as rows (the backward's Sᵀ), so in either
 // kernel the two lanes make one draw per tile between them and swap halves with two shuffles
 // (cuda/common/dropout_mask.cuh). Element (2s + qa + 8 qb, 2t + ka + 8 kb) takes byte
-// 2 kb + ka of word 2 qa + qb. Bytes rather than flash-attn's 16-bit words halve the draws.
+// 2 kb + ka of word 2 qa + qb. Bytes rather than 16-bit words halve the draws, for a coarser p
+// (steps of 1/256 rather than 2^-16).
 //
 // The draw's counter: (offset + 4 * (j / 16) + t as 64 bits, 4 * (i / 16) + s, b * nheads + h),
 // its key the seed. Offsets that differ by at least ceil(seqlen_k / 16) * 4 therefore give
