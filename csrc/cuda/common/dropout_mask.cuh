@@ -36,12 +36,17 @@ struct DropoutMask {
     return (word & low_bits_ge) | ((word | low_bits_ge) & threshold_below_128);
   }
 
-  // 0xFFFFFFFF where byte `byte` of `flags` (keep_flags) keeps its element, else 0: prmt's sign
-  // mode replicates the byte's bit 7.
-  __device__ __forceinline__ static uint32_t element_mask(uint32_t flags, int byte) {
+  // Byte n of the result all ones where the byte of `flags` (keep_flags) that nibble n of
+  // `selector` names (0x8 | byte) keeps its element, else 0: prmt's sign mode replicates bit 7.
+  __device__ __forceinline__ static uint32_t spread_flags(uint32_t flags, uint32_t selector) {
     uint32_t mask;
-    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(flags), "r"((0x8u | byte) * 0x1111u));
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(flags), "r"(selector));
     return mask;
+  }
+
+  // 0xFFFFFFFF where byte `byte` of `flags` keeps its element, else 0.
+  __device__ __forceinline__ static uint32_t element_mask(uint32_t flags, int byte) {
+    return spread_flags(flags, (0x8u | byte) * 0x1111u);
   }
 
   // Bits 0..3: bit 7 of flags' bytes 0..3.
@@ -100,11 +105,7 @@ struct DropoutMask {
 #pragma unroll
     for (int kk = 0; kk < kTiles; ++kk)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        uint32_t mask;  // the pair's two flags, each over its 16 bits
-        asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(flags[kk][r % 2]), "r"(r / 2 ? 0xBBAAu : 0x9988u));
-        p[kk][r] &= mask;
-      }
+      for (int r = 0; r < 4; ++r) p[kk][r] &= spread_flags(flags[kk][r % 2], r / 2 ? 0xBBAAu : 0x9988u);
   }
 
   // Keys as rows: bit 4j + e says whether element 4j + e of a lane's Sᵀ fragment (key
