@@ -142,7 +142,6 @@ struct DropoutMask {
     }
     return bits;
   }
-
 };
 
 }  // namespace flashattn
