@@ -12,35 +12,54 @@
 
 namespace flashattn {
 
-// One tile: its rows' main loop and epilogue, Q, K and V staged at q_smem.
-template <typename Element, typename Shape, ScoreMod kMod>
-__device__ __forceinline__ void forward_tile(const AttentionFwdParams& params, const ForwardBlock& blk,
-                                             uint32_t q_smem) {
-  using QTile = typename Shape::QTile;
-  using KVTile = typename Shape::KVTile;
-  const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
-  const SequenceInfo& seq = blk.seq;
-  const Element* q_ptr = seq.q_row(static_cast<const Element*>(params.q), params.q_strides, blk.batch, blk.head, blk.m_begin);
-  const Element* k_ptr = seq.k_row(static_cast<const Element*>(params.k), params.k_strides, blk.batch, blk.kv_head, 0);
-  const Element* v_ptr = seq.k_row(static_cast<const Element*>(params.v), params.v_strides, blk.batch, blk.kv_head, 0);
-  Element* out_ptr = blk.out_rows<Element>(params);
-  float* lse_ptr = blk.lse_rows(params);
+// The cp.async copies of one tile: its Q rows and its key blocks' K and V.
+template <typename Element, typename Shape>
+struct ForwardTileCopies {
+  const AttentionFwdParams& params;
+  const ForwardBlock& blk;
+  const Element* q_ptr;
+  const Element* k_ptr;
+  const Element* v_ptr;
 
-  const auto load_q = [&](uint32_t q_smem) {
-    QTile::template load_async<Shape::kThreads>(q_smem, q_ptr, params.q_strides.row, blk.valid_q_rows,
-                                                params.head_dim, thread);
-  };
-  const auto load_kv_block = [&](uint32_t kv_smem, int n_block) {
+  __device__ __forceinline__ ForwardTileCopies(const AttentionFwdParams& params, const ForwardBlock& blk)
+      : params(params),
+        blk(blk),
+        q_ptr(blk.seq.q_row(static_cast<const Element*>(params.q), params.q_strides, blk.batch, blk.head, blk.m_begin)),
+        k_ptr(blk.seq.k_row(static_cast<const Element*>(params.k), params.k_strides, blk.batch, blk.kv_head, 0)),
+        v_ptr(blk.seq.k_row(static_cast<const Element*>(params.v), params.v_strides, blk.batch, blk.kv_head, 0)) {}
+
+  __device__ __forceinline__ void load_q(uint32_t q_smem) const {
+    Shape::QTile::template load_async<Shape::kThreads>(q_smem, q_ptr, params.q_strides.row, blk.valid_q_rows,
+                                                       params.head_dim, threadIdx.x);
+  }
+  __device__ __forceinline__ void load_kv_block(uint32_t kv_smem, int n_block) const {
+    using KVTile = typename Shape::KVTile;
     const int n0 = n_block * Shape::kBlockN;
     KVTile::template load_async<Shape::kThreads>(kv_smem, k_ptr + n0 * params.k_strides.row, params.k_strides.row,
-                                                 seq.seqlen_k - n0, params.head_dim, thread);
-    KVTile::template load_async<Shape::kThreads>(kv_smem + KVTile::kBytes, v_ptr + n0 * params.v_strides.row, params.v_strides.row,
-                                                 seq.seqlen_k - n0, params.head_dim, thread);
-  };
-  ForwardRowState<Shape> state(!reads_sink(kMod) ? -INFINITY : sink_logit_log2(params, blk.head), lane);
+                                                 blk.seq.seqlen_k - n0, params.head_dim, threadIdx.x);
+    KVTile::template load_async<Shape::kThreads>(kv_smem + KVTile::kBytes, v_ptr + n0 * params.v_strides.row,
+                                                 params.v_strides.row, blk.seq.seqlen_k - n0, params.head_dim,
+                                                 threadIdx.x);
+  }
+  __device__ __forceinline__ void issue_prologue(ForwardSmem<Shape> smem, KVStages<Shape::kStages> stages) const {
+    forward_prologue<Shape>(
+        smem, [&](uint32_t q_smem) { load_q(q_smem); },
+        [&](uint32_t kv_smem, int n_block) { load_kv_block(kv_smem, n_block); }, blk.n_block_first,
+        blk.n_block_last, stages);
+  }
+};
+
+// One tile's main loop, after its copies' prologue was issued into `stages`.
+template <typename Element, typename Shape, ScoreMod kMod>
+__device__ __forceinline__ void forward_tile_mainloop(const AttentionFwdParams& params, const ForwardBlock& blk,
+                                                      ForwardSmem<Shape> smem, KVStages<Shape::kStages> stages,
+                                                      ForwardRowState<Shape>& state) {
+  const ForwardTileCopies<Element, Shape> copies(params, blk);
+  const int lane = threadIdx.x % 32;
   // ALiBi per score (no linear frame: its second code path spilled the W = 128 kernel).
   forward_mainloop<Element, Shape>(
-      q_smem, load_q, load_kv_block, blk.mask, [&] { return ScoreTransform<kMod>(params, blk.batch, blk.head); },
+      smem, [&](uint32_t kv_smem, int n_block) { copies.load_kv_block(kv_smem, n_block); }, blk.mask,
+      [&] { return ScoreTransform<kMod>(params, blk.batch, blk.head); },
       [&](auto& acc_s, int warp_row_begin, int n_begin) {
         if constexpr (has_dropout(kMod)) {
           const DropoutMask dropout(params, blk.batch, blk.head);
@@ -48,10 +67,23 @@ __device__ __forceinline__ void forward_tile(const AttentionFwdParams& params, c
           for (int mt = 0; mt < Shape::kMTiles; ++mt) dropout.drop_rows(acc_s[mt], warp_row_begin / 16 + mt, n_begin, lane);
         }
       },
-      blk.m_begin, blk.n_block_first, blk.n_block_last, state);
+      blk.m_begin, blk.n_block_first, blk.n_block_last, stages, state);
+}
 
-  store_forward_rows<Element>(state.acc_o, state.row_max, state.row_sum, out_ptr,
-                              params.out_strides.row, lse_ptr, warp * Shape::kRowsPerWarp,
+// A tile's rows before its first key block: at the learnable sink where there is one.
+template <typename Shape, ScoreMod kMod>
+__device__ __forceinline__ ForwardRowState<Shape> forward_row_state(const AttentionFwdParams& params,
+                                                                    const ForwardBlock& blk) {
+  return ForwardRowState<Shape>(!reads_sink(kMod) ? -INFINITY : sink_logit_log2(params, blk.head), threadIdx.x % 32);
+}
+
+// One tile's epilogue: O and lse of its rows, from the registers.
+template <typename Element, typename Shape, ScoreMod kMod>
+__device__ __forceinline__ void store_forward_tile(const AttentionFwdParams& params, const ForwardBlock& blk,
+                                                   const ForwardRowState<Shape>& state) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  store_forward_rows<Element>(state.acc_o, state.row_max, state.row_sum, blk.out_rows<Element>(params),
+                              params.out_strides.row, blk.lse_rows(params), warp * Shape::kRowsPerWarp,
                               blk.valid_q_rows, params.head_dim, lane, INFINITY,
                               has_dropout(kMod) ? params.dropout_scale : 1.f);
 }
@@ -59,27 +91,46 @@ __device__ __forceinline__ void forward_tile(const AttentionFwdParams& params, c
 // One block per tile (ForwardBlock's order), or, kPersistent, as many blocks as the SMs hold,
 // each taking its first tile by its index and every next one from params.tile_counter
 // (zeroed before the launch), the Hopper forward's scheme without its producer: thread 0
-// takes the number, and the barrier that hands it on also frees the shared memory.
+// takes the next number after the tile's last key block, and the barrier that hands it on
+// also frees the shared memory, so the next tile's first copies are issued before this
+// tile's O is stored, into the K / V stages after its last (the ring carries on).
 template <typename Element, typename Shape, ScoreMod kMod, bool kPersistent = false>
 __global__ void __launch_bounds__(Shape::kThreads)
     attention_forward_kernel(const __grid_constant__ AttentionFwdParams params) {
   // Every warp starts its rows at the sink: warps that split the keys would count it twice.
   static_assert(Shape::kKeyWarps == 1, "the attention kernel's warps own whole rows");
-  extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t q_smem = smem_address(smem);
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  const ForwardSmem<Shape> smem{smem_address(smem_bytes)};
   if constexpr (!kPersistent) {
     const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, blockIdx.x);
-    if (!blk.empty) forward_tile<Element, Shape, kMod>(params, blk, q_smem);
+    if (blk.empty) return;
+    ForwardRowState<Shape> state = forward_row_state<Shape, kMod>(params, blk);
+    ForwardTileCopies<Element, Shape>(params, blk).issue_prologue(smem, {});
+    forward_tile_mainloop<Element, Shape, kMod>(params, blk, smem, {}, state);
+    store_forward_tile<Element, Shape, kMod>(params, blk, state);
   } else {
-    __shared__ unsigned next_tile;
+    // Tile i's successor goes to slot i % 2: thread 0 writes a slot again two barriers after
+    // every thread read it.
+    __shared__ unsigned next_tiles[2];
     const unsigned num_tiles = static_cast<unsigned>(ForwardBlock::grid_blocks(params, Shape::kBlockM));
-    for (unsigned tile = blockIdx.x; tile < num_tiles;) {
+    KVStages<Shape::kStages> stages;
+    const auto issue_prologue = [&](unsigned tile) {
+      if (tile >= num_tiles) return;
       const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, tile);
-      if (!blk.empty) forward_tile<Element, Shape, kMod>(params, blk, q_smem);
-      if (threadIdx.x == 0) next_tile = atomicAdd(params.tile_counter, 1) + gridDim.x;
-      __syncthreads();
-      tile = next_tile;
-      __syncthreads();  // every thread has read next_tile before thread 0 writes the one after
+      if (!blk.empty) ForwardTileCopies<Element, Shape>(params, blk).issue_prologue(smem, stages);
+    };
+    unsigned tile = blockIdx.x;
+    issue_prologue(tile);
+    for (int slot = 0; tile < num_tiles; slot ^= 1) {
+      const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, tile);
+      ForwardRowState<Shape> state = forward_row_state<Shape, kMod>(params, blk);
+      if (!blk.empty) forward_tile_mainloop<Element, Shape, kMod>(params, blk, smem, stages, state);
+      if (threadIdx.x == 0) next_tiles[slot] = atomicAdd(params.tile_counter, 1) + gridDim.x;
+      __syncthreads();  // the next number visible; every warp done with Q and the K / V stages
+      tile = next_tiles[slot];
+      if (!blk.empty) stages = stages.after(blk.n_block_last - blk.n_block_first + 1);
+      issue_prologue(tile);
+      if (!blk.empty) store_forward_tile<Element, Shape, kMod>(params, blk, state);
     }
   }
 }

@@ -90,46 +90,74 @@ struct ForwardRowState {
   }
 };
 
-// Rows [m_begin, m_begin + kBlockM) against key blocks n_block_last down to n_block_first
-// (nothing when last < first), into `state`. `load_q(q_smem)` and
+// Shared memory from q_smem: Q, then kStages x (K, V).
+template <typename Shape>
+struct ForwardSmem {
+  uint32_t q;
+  __device__ __forceinline__ uint32_t k(int stage) const {
+    return q + Shape::QTile::kBytes + stage * 2 * Shape::KVTile::kBytes;
+  }
+  __device__ __forceinline__ uint32_t v(int stage) const { return k(stage) + Shape::KVTile::kBytes; }
+};
+
+// Where a tile's key blocks go in the ring of K / V stages: its it-th block in stage
+// (first + it) % kStages. A block that runs one tile starts at 0; a persistent block carries
+// the ring on from tile to tile (`after`), so that the next tile's first blocks can be copied
+// into the stages this tile is done with.
+template <int kStages>
+struct KVStages {
+  int first = 0;
+  __device__ __forceinline__ int of(int it) const { return (first + it) % kStages; }
+  __device__ __forceinline__ KVStages after(int num_blocks) const { return {num_blocks > 0 ? of(num_blocks) : first}; }
+};
+
+// Issues the copies a tile's main loop waits for first: Q and its first kStages - 1 key blocks
+// (n_block_last down), one commit group each (Q joins the first; empty groups past the last
+// block keep forward_mainloop's wait counts uniform). `load_q(q_smem)` and
 // `load_kv_block(kv_smem, n_block)` issue the cp.async copies of the Q tile and of one key
-// block's K and V tiles (V's at kv_smem + KVTile::kBytes) (zero-filling rows past the sequence); `mask` answers
+// block's K and V tiles (V's at kv_smem + KVTile::kBytes), zero-filling rows past the sequence.
+template <typename Shape, typename LoadQ, typename LoadKVBlock>
+__device__ __forceinline__ void forward_prologue(ForwardSmem<Shape> smem, const LoadQ& load_q,
+                                                 const LoadKVBlock& load_kv_block, int n_block_first,
+                                                 int n_block_last, KVStages<Shape::kStages> stages) {
+  // With no key block Q's copy is still issued, and waited for at the main loop's end. (Any
+  // branch around it, or around the whole loop, cost the W = 128 kernel spills.)
+  const int num_blocks = n_block_last - n_block_first + 1;
+  load_q(smem.q);
+#pragma unroll
+  for (int st = 0; st < Shape::kStages - 1; ++st) {
+    if (st < num_blocks) load_kv_block(smem.k(stages.of(st)), n_block_last - st);
+    cp_async_commit();
+  }
+}
+
+// Rows [m_begin, m_begin + kBlockM) against key blocks n_block_last down to n_block_first
+// (nothing when last < first), into `state`, after forward_prologue issued the same tile's
+// first copies into `stages`. `load_kv_block` issues the later blocks' copies; `mask` answers
 // which (row, key) pairs are visible (MaskGeometry, PackedRowsMask); `score_transform()`
 // gives the ScoreTransform (score_transform.cuh) that turns a block's scores into logits;
 // `drop_probabilities(acc_s, warp_row_begin, n_begin)` applies dropout to a block's
-// probabilities (after the softmax counted them, before P V).
+// probabilities (after the softmax counted them, before P V). Returns with every copy landed;
+// other warps may still read Q and the last stage, so a caller reusing them syncs first.
 template <typename Element, typename Shape, typename Mask, typename MakeTransform, typename DropProbabilities,
-          typename LoadQ, typename LoadKVBlock>
-__device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& load_q,
-                                                 const LoadKVBlock& load_kv_block, const Mask& mask,
-                                                 const MakeTransform& score_transform,
+          typename LoadKVBlock>
+__device__ __forceinline__ void forward_mainloop(ForwardSmem<Shape> smem, const LoadKVBlock& load_kv_block,
+                                                 const Mask& mask, const MakeTransform& score_transform,
                                                  const DropProbabilities& drop_probabilities, int m_begin,
-                                                 int n_block_first, int n_block_last, ForwardRowState<Shape>& state) {
+                                                 int n_block_first, int n_block_last,
+                                                 KVStages<Shape::kStages> stages, ForwardRowState<Shape>& state) {
   using Mma = MmaElement<Element>;
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kHeadDim = Shape::kHeadDim;
   constexpr int kMTiles = Shape::kMTiles, kNTiles = Shape::kNTiles, kDTiles = Shape::kDTiles;
   constexpr int kKsUnroll = Shape::kScoreKUnroll;
   using QTile = typename Shape::QTile;
   using KVTile = typename Shape::KVTile;
-  // Shared memory from q_smem: Q, then kStages x (K, V).
-  const auto k_smem = [&](int stage) { return q_smem + QTile::kBytes + stage * 2 * KVTile::kBytes; };
-  const auto v_smem = [&](int stage) { return k_smem(stage) + KVTile::kBytes; };
+  const uint32_t q_smem = smem.q;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   auto& acc_o = state.acc_o;
   auto& row_max = state.row_max;
   auto& row_sum = state.row_sum;
-
-  // With no key block the loops below do nothing, and Q's copy is waited for at the end.
-  // (Any branch around it, or around the whole loop, cost the W = 128 kernel spills.)
   const int num_blocks = n_block_last - n_block_first + 1;
-  load_q(q_smem);
-  // Prologue: the first kStages - 1 blocks in flight, one commit group each (Q joins the
-  // first; empty groups past the last block keep the wait counts uniform).
-#pragma unroll
-  for (int st = 0; st < Shape::kStages - 1; ++st) {
-    if (st < num_blocks) load_kv_block(k_smem(st), n_block_last - st);
-    cp_async_commit();
-  }
 
   // ldmatrix lane addressing (see mma_primitives.cuh for the fragment layouts).
   const int a_row = lane % 16, a_col = (lane / 16) * 8;                          // A: Q
@@ -139,20 +167,17 @@ __device__ __forceinline__ void forward_mainloop(uint32_t q_smem, const LoadQ& l
 
   for (int it = 0; it < num_blocks; ++it) {
     const int n_block = n_block_last - it;
-    const int stage = it % Shape::kStages;
+    const int stage = stages.of(it);
     // Block `it + kStages - 1` goes in flight into the stage every warp
     // finished with in the previous iteration (the barrier below orders it).
     cp_async_wait<Shape::kStages - 2>();
     __syncthreads();  // block `it` (and Q) visible to all; stage (it - 1) free
     {
       const int ahead = it + Shape::kStages - 1;
-      if (ahead < num_blocks) {
-        const int ahead_stage = ahead % Shape::kStages;
-        load_kv_block(k_smem(ahead_stage), n_block_last - ahead);
-      }
+      if (ahead < num_blocks) load_kv_block(smem.k(stages.of(ahead)), n_block_last - ahead);
       cp_async_commit();
     }
-    const uint32_t k_stage = k_smem(stage), v_stage = v_smem(stage);
+    const uint32_t k_stage = smem.k(stage), v_stage = smem.v(stage);
 
     float acc_s[kMTiles][kNTiles][4];
 #pragma unroll

@@ -75,13 +75,15 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     load_cache_tile(kv_smem, k_cache, params.k_strides, n0, page);
     load_cache_tile(kv_smem + KVTile::kBytes, v_cache, params.v_strides, n0, page);
   };
+  const ForwardSmem<Shape> tile_smem{q_smem};
+  forward_prologue<Shape>(tile_smem, load_q, load_kv_block, blk.n_block_first, blk.n_block_last, {});
   ForwardRowState<Shape> state;
   forward_mainloop<Element, Shape>(
-      q_smem, load_q, load_kv_block, blk.mask,
+      tile_smem, load_kv_block, blk.mask,
       // ALiBi's slope is the tile head's, a query head's (kvcache_params.h).
       [&] { return ScoreTransform<kMod>(params, blk.batch, KvcacheBlock::tile_head(params, Shape::kBlockM)); },
       [](auto&, int, int) {}, blk.m_begin,
-      blk.n_block_first, blk.n_block_last, state);
+      blk.n_block_first, blk.n_block_last, {}, state);
   allow_dependent_launch();  // the combine's blocks may take the SM slots of the finished ones
 
   static_assert(KeySplitMergeLayout<Shape>::kBytes <= Shape::kStages * 2 * KVTile::kBytes,
