@@ -49,13 +49,19 @@ struct ForwardTileCopies {
   }
 };
 
-// One tile's main loop, after its copies' prologue was issued into `stages`.
-template <typename Element, typename Shape, ScoreMod kMod>
-__device__ __forceinline__ void forward_tile_mainloop(const AttentionFwdParams& params, const ForwardBlock& blk,
-                                                      ForwardSmem<Shape> smem, KVStages<Shape::kStages> stages,
-                                                      ForwardRowState<Shape>& state) {
+// One tile: its main loop, then `after_loop()`, then its epilogue (O and lse of its rows, from
+// the registers). `issue_prologue`: whether this call issues the tile's first copies, into
+// `stages` (a persistent block issued them already).
+template <typename Element, typename Shape, ScoreMod kMod, typename AfterLoop>
+__device__ __forceinline__ void forward_tile(const AttentionFwdParams& params, const ForwardBlock& blk,
+                                             ForwardSmem<Shape> smem, KVStages<Shape::kStages> stages,
+                                             bool issue_prologue, const AfterLoop& after_loop) {
   const ForwardTileCopies<Element, Shape> copies(params, blk);
-  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  Element* out_ptr = blk.out_rows<Element>(params);
+  float* lse_ptr = blk.lse_rows(params);
+  ForwardRowState<Shape> state(!reads_sink(kMod) ? -INFINITY : sink_logit_log2(params, blk.head), lane);
+  if (issue_prologue) copies.issue_prologue(smem, stages);
   // ALiBi per score (no linear frame: its second code path spilled the W = 128 kernel).
   forward_mainloop<Element, Shape>(
       smem, [&](uint32_t kv_smem, int n_block) { copies.load_kv_block(kv_smem, n_block); }, blk.mask,
@@ -68,23 +74,9 @@ __device__ __forceinline__ void forward_tile_mainloop(const AttentionFwdParams& 
         }
       },
       blk.m_begin, blk.n_block_first, blk.n_block_last, stages, state);
-}
-
-// A tile's rows before its first key block: at the learnable sink where there is one.
-template <typename Shape, ScoreMod kMod>
-__device__ __forceinline__ ForwardRowState<Shape> forward_row_state(const AttentionFwdParams& params,
-                                                                    const ForwardBlock& blk) {
-  return ForwardRowState<Shape>(!reads_sink(kMod) ? -INFINITY : sink_logit_log2(params, blk.head), threadIdx.x % 32);
-}
-
-// One tile's epilogue: O and lse of its rows, from the registers.
-template <typename Element, typename Shape, ScoreMod kMod>
-__device__ __forceinline__ void store_forward_tile(const AttentionFwdParams& params, const ForwardBlock& blk,
-                                                   const ForwardRowState<Shape>& state) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  store_forward_rows<Element>(state.acc_o, state.row_max, state.row_sum, blk.out_rows<Element>(params),
-                              params.out_strides.row, blk.lse_rows(params), warp * Shape::kRowsPerWarp,
-                              blk.valid_q_rows, params.head_dim, lane, INFINITY,
+  after_loop();
+  store_forward_rows<Element>(state.acc_o, state.row_max, state.row_sum, out_ptr, params.out_strides.row, lse_ptr,
+                              warp * Shape::kRowsPerWarp, blk.valid_q_rows, params.head_dim, lane, INFINITY,
                               has_dropout(kMod) ? params.dropout_scale : 1.f);
 }
 
@@ -103,11 +95,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
   const ForwardSmem<Shape> smem{smem_address(smem_bytes)};
   if constexpr (!kPersistent) {
     const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, blockIdx.x);
-    if (blk.empty) return;
-    ForwardRowState<Shape> state = forward_row_state<Shape, kMod>(params, blk);
-    ForwardTileCopies<Element, Shape>(params, blk).issue_prologue(smem, {});
-    forward_tile_mainloop<Element, Shape, kMod>(params, blk, smem, {}, state);
-    store_forward_tile<Element, Shape, kMod>(params, blk, state);
+    if (!blk.empty) forward_tile<Element, Shape, kMod>(params, blk, smem, {}, true, [] {});
   } else {
     // Tile i's successor goes to slot i % 2: thread 0 writes a slot again two barriers after
     // every thread read it.
@@ -123,14 +111,17 @@ __global__ void __launch_bounds__(Shape::kThreads)
     issue_prologue(tile);
     for (int slot = 0; tile < num_tiles; slot ^= 1) {
       const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, tile);
-      ForwardRowState<Shape> state = forward_row_state<Shape, kMod>(params, blk);
-      if (!blk.empty) forward_tile_mainloop<Element, Shape, kMod>(params, blk, smem, stages, state);
-      if (threadIdx.x == 0) next_tiles[slot] = atomicAdd(params.tile_counter, 1) + gridDim.x;
-      __syncthreads();  // the next number visible; every warp done with Q and the K / V stages
-      tile = next_tiles[slot];
-      if (!blk.empty) stages = stages.after(blk.n_block_last - blk.n_block_first + 1);
-      issue_prologue(tile);
-      if (!blk.empty) store_forward_tile<Element, Shape, kMod>(params, blk, state);
+      const auto next_tile = [&] {
+        if (threadIdx.x == 0) next_tiles[slot] = atomicAdd(params.tile_counter, 1) + gridDim.x;
+        __syncthreads();  // the next number visible; every warp done with Q and the K / V stages
+        tile = next_tiles[slot];
+        if (!blk.empty) stages = stages.after(blk.n_block_last - blk.n_block_first + 1);
+        issue_prologue(tile);
+      };
+      if (blk.empty)
+        next_tile();
+      else
+        forward_tile<Element, Shape, kMod>(params, blk, smem, stages, false, next_tile);
     }
   }
 }
