@@ -49,7 +49,7 @@ def load(label):
             for r in rows if r["impl"] == "ours" and r["status"] == "ok"}
 runs = {label: load(label) for label in ("A1", "A2", "B1", "B2")}
 print(f"{'d':>4} {'causal':>6} {'N':>6} {'mode':>4} | {'A1':>6} {'A2':>6} {'B1':>6} {'B2':>6} | B/A   noise")
-worst = 1.0
+worst = float("inf")
 for key in sorted(runs["A1"], key=lambda k: (int(k[0]), k[1], int(k[2]), k[3])):
     vals = [runs[l].get(key) for l in ("A1", "A2", "B1", "B2")]
     if None in vals:

@@ -51,7 +51,8 @@ struct ForwardTileCopies {
 
 // One tile: its main loop, then `after_loop()`, then its epilogue (O and lse of its rows, from
 // the registers). `issue_prologue`: whether this call issues the tile's first copies, into
-// `stages` (a persistent block issued them already).
+// `stages` (a persistent block issued them already). `after_loop` may decode the next tile into
+// `blk`: nothing of it is read after that call.
 template <typename Element, typename Shape, ScoreMod kMod, typename AfterLoop>
 __device__ __forceinline__ void forward_tile(const AttentionFwdParams& params, const ForwardBlock& blk,
                                              ForwardSmem<Shape> smem, KVStages<Shape::kStages> stages,
@@ -60,6 +61,7 @@ __device__ __forceinline__ void forward_tile(const AttentionFwdParams& params, c
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   Element* out_ptr = blk.out_rows<Element>(params);
   float* lse_ptr = blk.lse_rows(params);
+  const int valid_q_rows = blk.valid_q_rows;
   ForwardRowState<Shape> state(!reads_sink(kMod) ? -INFINITY : sink_logit_log2(params, blk.head), lane);
   if (issue_prologue) copies.issue_prologue(smem, stages);
   // ALiBi per score (no linear frame: its second code path spilled the W = 128 kernel).
@@ -76,7 +78,7 @@ __device__ __forceinline__ void forward_tile(const AttentionFwdParams& params, c
       blk.m_begin, blk.n_block_first, blk.n_block_last, stages, state);
   after_loop();
   store_forward_rows<Element>(state.acc_o, state.row_max, state.row_sum, out_ptr, params.out_strides.row, lse_ptr,
-                              warp * Shape::kRowsPerWarp, blk.valid_q_rows, params.head_dim, lane, INFINITY,
+                              warp * Shape::kRowsPerWarp, valid_q_rows, params.head_dim, lane, INFINITY,
                               has_dropout(kMod) ? params.dropout_scale : 1.f);
 }
 
@@ -102,21 +104,24 @@ __global__ void __launch_bounds__(Shape::kThreads)
     __shared__ unsigned next_tiles[2];
     const unsigned num_tiles = static_cast<unsigned>(ForwardBlock::grid_blocks(params, Shape::kBlockM));
     KVStages<Shape::kStages> stages;
-    const auto issue_prologue = [&](unsigned tile) {
-      if (tile >= num_tiles) return;
-      const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, tile);
-      if (!blk.empty) ForwardTileCopies<Element, Shape>(params, blk).issue_prologue(smem, stages);
+    // Each tile decoded once; a number past the end decodes as the last tile and runs nothing.
+    const auto decode = [&](unsigned tile) {
+      return ForwardBlock(params, Shape::kBlockM, Shape::kBlockN, false, min(tile, num_tiles - 1));
     };
     unsigned tile = blockIdx.x;
-    issue_prologue(tile);
+    ForwardBlock blk = decode(tile);
+    const auto issue_prologue = [&] {
+      if (tile < num_tiles && !blk.empty) ForwardTileCopies<Element, Shape>(params, blk).issue_prologue(smem, stages);
+    };
+    issue_prologue();
     for (int slot = 0; tile < num_tiles; slot ^= 1) {
-      const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, tile);
       const auto next_tile = [&] {
         if (threadIdx.x == 0) next_tiles[slot] = atomicAdd(params.tile_counter, 1) + gridDim.x;
         __syncthreads();  // the next number visible; every warp done with Q and the K / V stages
         tile = next_tiles[slot];
         if (!blk.empty) stages = stages.after(blk.n_block_last - blk.n_block_first + 1);
-        issue_prologue(tile);
+        blk = decode(tile);
+        issue_prologue();
       };
       if (blk.empty)
         next_tile();
