@@ -32,4 +32,16 @@ struct FastDivmod {
   __host__ __device__ __forceinline__ int mod(int n) const { return n - div(n) * divisor; }
 };
 
+// The compiler's division behind FastDivmod's interface, for a kernel that makes its divisors
+// itself (making a FastDivmod costs a 64-bit division) and decodes one tile a block, or hides a
+// division's latency behind other resident blocks (the mma.sync forward, whose tightest tiles
+// spilled 36 bytes with FastDivmod's registers).
+struct Division {
+  int divisor;
+
+  __host__ __device__ __forceinline__ explicit Division(int d) : divisor(d > 1 ? d : 1) {}
+  __host__ __device__ __forceinline__ int div(int n) const { return n / divisor; }
+  __host__ __device__ __forceinline__ int mod(int n) const { return n - div(n) * divisor; }
+};
+
 }  // namespace flashattn

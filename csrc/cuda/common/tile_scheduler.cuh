@@ -11,9 +11,28 @@
 #include "common/attention_mask.h"
 #include "common/attention_params.h"
 #include "common/sequence_info.h"
+#include "cuda/common/fast_divmod.cuh"
 #include "cuda/device_limits.h"
 
 namespace flashattn {
+
+// The divisors that decode a forward tile number. The Hopper persistent grid takes FastDivmod's,
+// made once per launch on the host: the GPU has no integer divider, and the compiler's divisions
+// (each a chain of about 30 instructions, three in a row) ran at every tile's start, where no
+// other warp of the block has work to hide them.
+template <typename Divisor>
+struct TileOrder {
+  Divisor query_blocks{1};  // of the longest sequence
+  Divisor heads{1};         // query heads
+  Divisor group{1};         // query heads per KV head
+
+  TileOrder() = default;
+  FLASHATTN_HOST_DEVICE TileOrder(const AttentionFwdParams& p, int kBlockM)
+      : query_blocks((p.seqlen_q + kBlockM - 1) / kBlockM),
+        heads(p.nheads_q),
+        group(p.nheads_kv > 0 ? p.nheads_q / p.nheads_kv : 1) {}
+};
+using ForwardTileOrder = TileOrder<FastDivmod>;
 
 // What forward tile `tile` is: a block of kBlockM query rows of one (batch, head), and the
 // key blocks [n_block_first, n_block_last] the mask lets those rows see (none when last <
@@ -32,40 +51,42 @@ struct ForwardBlock {
     return int64_t((params.seqlen_q + kBlockM - 1) / kBlockM) * params.batch * params.nheads_q;
   }
 
-  __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, int kBlockM, int kBlockN, bool dense,
-                                          unsigned tile)
-      : seq(params, decode_batch(params, kBlockM, dense, tile), dense),
-        mask{seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right} {
-    // Flattened grid (one dimension never overflows for batch * heads > 65535):
-    // query blocks vary fastest, heaviest (last) blocks first for causal balance; the
-    // sequences of a variable-length batch in params.batch_order, longest first.
-    const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-    const int bh = static_cast<int>(tile / num_m_blocks);
-    head = bh % params.nheads_q;
-    batch = decode_batch(params, kBlockM, dense, tile);
-    kv_head = head / (params.nheads_q / params.nheads_kv);
-    // Within a shorter sequence the heaviest block is its own last one, so the
-    // order counts down from there and the blocks past its end come last.
-    const int seq_m_blocks = (seq.seqlen_q + kBlockM - 1) / kBlockM;
-    const int m_block = seq_m_blocks - 1 - static_cast<int>(tile % num_m_blocks);
-    empty = m_block < 0;
-    m_begin = m_block * kBlockM;
-    valid_q_rows = seq.seqlen_q - m_begin;
-    n_block_first = mask.key_begin(m_begin) / kBlockN;
-    n_block_last = (mask.key_end(min(m_begin + kBlockM, seq.seqlen_q)) + kBlockN - 1) / kBlockN - 1;
-  }
-  __device__ __forceinline__ static int decode_batch(const AttentionFwdParams& params, int kBlockM, bool dense,
-                                                     unsigned tile) {
-    const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-    const int slot = static_cast<int>(tile / num_m_blocks) / params.nheads_q;
-    return dense || params.batch_order == nullptr ? slot : params.batch_order[slot];
-  }
+  // Flattened grid (one dimension never overflows for batch * heads > 65535): query blocks
+  // vary fastest, heaviest (last) blocks first for causal balance; the sequences of a
+  // variable-length batch in params.batch_order, longest first. tile < grid_blocks.
+  template <typename Divisor>
+  __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, const TileOrder<Divisor>& order,
+                                          int kBlockM, int kBlockN, bool dense, unsigned tile)
+      : ForwardBlock(params, order, kBlockM, kBlockN, dense, order.query_blocks.div(static_cast<int>(tile)),
+                     static_cast<int>(tile)) {}
+
   template <typename Element>
   __device__ __forceinline__ Element* out_rows(const AttentionFwdParams& params) const {
     return seq.q_row(static_cast<Element*>(params.out), params.out_strides, batch, head, m_begin);
   }
   __device__ __forceinline__ float* lse_rows(const AttentionFwdParams& params) const {
     return seq.lse_row(params, batch, head, m_begin);
+  }
+
+ private:
+  // bh: the tile's (batch slot, head) number, tile / query blocks.
+  template <typename Divisor>
+  __device__ __forceinline__ ForwardBlock(const AttentionFwdParams& params, const TileOrder<Divisor>& order,
+                                          int kBlockM, int kBlockN, bool dense, int bh, int tile)
+      : head(order.heads.mod(bh)),
+        batch(dense || params.batch_order == nullptr ? order.heads.div(bh) : params.batch_order[order.heads.div(bh)]),
+        kv_head(order.group.div(head)),
+        seq(params, batch, dense),
+        mask{seq.seqlen_q, seq.seqlen_k, params.window_left, params.window_right} {
+    // Within a shorter sequence the heaviest block is its own last one, so the
+    // order counts down from there and the blocks past its end come last.
+    const int seq_m_blocks = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+    const int m_block = seq_m_blocks - 1 - (tile - bh * order.query_blocks.divisor);
+    empty = m_block < 0;
+    m_begin = m_block * kBlockM;
+    valid_q_rows = seq.seqlen_q - m_begin;
+    n_block_first = mask.key_begin(m_begin) / kBlockN;
+    n_block_last = (mask.key_end(min(m_begin + kBlockM, seq.seqlen_q)) + kBlockN - 1) / kBlockN - 1;
   }
 };
 

@@ -95,8 +95,9 @@ __global__ void __launch_bounds__(Shape::kThreads)
   static_assert(Shape::kKeyWarps == 1, "the attention kernel's warps own whole rows");
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   const ForwardSmem<Shape> smem{smem_address(smem_bytes)};
+  const TileOrder<Division> order(params, Shape::kBlockM);
   if constexpr (!kPersistent) {
-    const ForwardBlock blk(params, Shape::kBlockM, Shape::kBlockN, false, blockIdx.x);
+    const ForwardBlock blk(params, order, Shape::kBlockM, Shape::kBlockN, false, blockIdx.x);
     if (!blk.empty) forward_tile<Element, Shape, kMod>(params, blk, smem, {}, true, [] {});
   } else {
     // Tile i's successor goes to slot i % 2: thread 0 writes a slot again two barriers after
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     KVStages<Shape::kStages> stages;
     // Each tile decoded once; a number past the end decodes as the last tile and runs nothing.
     const auto decode = [&](unsigned tile) {
-      return ForwardBlock(params, Shape::kBlockM, Shape::kBlockN, false, min(tile, num_tiles - 1));
+      return ForwardBlock(params, order, Shape::kBlockM, Shape::kBlockN, false, min(tile, num_tiles - 1));
     };
     unsigned tile = blockIdx.x;
     ForwardBlock blk = decode(tile);

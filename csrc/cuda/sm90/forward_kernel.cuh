@@ -98,6 +98,7 @@ enum class Sm90KeyBlock { kCut, kUncut, kAsk };
 // 4-d (head_dim, seqlen, nheads, batch) with the tensor's own strides.
 struct Sm90ForwardArgs {
   AttentionFwdParams params;
+  ForwardTileOrder order;
   CUtensorMap q_map, k_map, v_map;
 };
 
@@ -133,7 +134,13 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
   const uint32_t q_empty = barriers + 8 * Shape::kBarriers;
   const uint32_t tile_full = q_empty + 8, tile_empty = q_empty + 16, tile_slot = q_empty + 24;
 
-  const ForwardBlock first_blk(params, kBlockM, kBlockN, kDense, blockIdx.x);
+  // The static grid decodes its one tile with the compiler's divisions: with FastDivmod's, ptxas
+  // moved the d 128 kernel's per-block values from uniform to vector registers (13 more vector
+  // instructions in its unmasked loop), and it read 0.92-0.98 x at N 8192.
+  const ForwardBlock first_blk = kPersistent
+                                     ? ForwardBlock(params, args.order, kBlockM, kBlockN, kDense, blockIdx.x)
+                                     : ForwardBlock(params, TileOrder<Division>(params, kBlockM), kBlockM, kBlockN,
+                                                    kDense, blockIdx.x);
   if (!kPersistent && first_blk.empty) return;
   const unsigned num_tiles = kPersistent ? static_cast<unsigned>(ForwardBlock::grid_blocks(params, kBlockM)) : 0;
   const auto key_blocks = [](const ForwardBlock& blk) {
@@ -204,12 +211,13 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
         // the last tile.
         const auto next_tile = [&] { return atomicAdd(params.tile_counter, 1) + gridDim.x; };
         for (unsigned tile = blockIdx.x, handed = 0;; ++handed, tile = next_tile()) {
-          while (tile < num_tiles && ForwardBlock(params, kBlockM, kBlockN, kDense, tile).empty) tile = next_tile();
+          while (tile < num_tiles && ForwardBlock(params, args.order, kBlockM, kBlockN, kDense, tile).empty)
+            tile = next_tile();
           sm90::mbarrier_wait(tile_empty, (handed & 1) ^ 1);
           sm90::store_shared_u32(tile_slot, tile);
           sm90::mbarrier_arrive(tile_full);
           if (tile >= num_tiles) break;
-          load_tile(ForwardBlock(params, kBlockM, kBlockN, kDense, tile));
+          load_tile(ForwardBlock(params, args.order, kBlockM, kBlockN, kDense, tile));
         }
       }
     }
@@ -403,7 +411,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
         __syncwarp();
         if (lane == 0) sm90::mbarrier_arrive(tile_empty);
         if (tile >= num_tiles) break;
-        compute_tile(ForwardBlock(params, kBlockM, kBlockN, kDense, tile));
+        compute_tile(ForwardBlock(params, args.order, kBlockM, kBlockN, kDense, tile));
       }
     }
   }

@@ -81,6 +81,7 @@ cudaError_t launch_forward_sm90(const AttentionFwdParams& params, const DeviceLi
   *launched = false;
   Sm90ForwardArgs args{};
   args.params = params;
+  args.order = ForwardTileOrder(params, Shape::kBlockM);
   const bool mapped =
       encode_tile_map<Element>(&args.q_map, params.q, params.q_strides, params.head_dim, params.rows_q,
                                params.nheads_q, q_map_batches(params), Shape::kBlockM) &&
