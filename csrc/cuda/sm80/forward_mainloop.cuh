@@ -37,9 +37,10 @@ namespace flashattn {
 // kScoreKUnroll: how many of the W/16 k-steps of S = Q K^T are unrolled. Full
 // unrolling lets the compiler hoist every fragment load; with two m16 tiles per
 // warp that can exhaust the 255 registers, and a partly rolled loop costs only
-// an address add per step.
+// an address add per step. kSwizzledKV: the K / V stages in the swizzled layout of
+// smem_tile.cuh (the KV cache's tiles, which the copy bounds), else padded.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kScoreKUnroll_ = kHeadDim_ / 16,
-          int kStages_ = 2, int kKeyWarps_ = 1>
+          int kStages_ = 2, int kKeyWarps_ = 1, bool kSwizzledKV_ = false>
 struct ForwardTileShape {
   static constexpr int kScoreKUnroll = kScoreKUnroll_;
   static constexpr int kHeadDim = kHeadDim_;  // compiled width W (>= the problem's head_dim)
@@ -57,7 +58,7 @@ struct ForwardTileShape {
   __device__ __forceinline__ static int warp_row(int warp) { return warp / kKeyWarps * kRowsPerWarp; }
   __device__ __forceinline__ static int warp_key(int warp) { return warp % kKeyWarps * kWarpKeys; }
   using QTile = SmemTile<kBlockM, kHeadDim>;
-  using KVTile = SmemTile<kBlockN, kHeadDim>;
+  using KVTile = SmemTile<kBlockN, kHeadDim, kSwizzledKV_>;
   // K/V stages: with two, the copy of block j+1 has all of block j's compute to land in,
   // instead of one GEMM as with FlashAttention-2's single buffers; more keep more bytes in
   // flight, which a kernel bound by the copy (decoding) needs.
