@@ -26,16 +26,15 @@ namespace flashattn {
 // keeps that 32-row tile on 2 warps with three 64-key stages. Primary (longer q: chunked
 // prefill) keeps 64-row tiles, which re-read K/V for fewer row blocks (W = 192, 256:
 // 32-key blocks, 64 spilled). Fallback: devices whose shared-memory opt-in is small
-// (sm_86/89: 99 KB), 32-key blocks (16 at W = 256) on 2 warps. The W = 128 Decode tile
-// keeps its K / V stages swizzled (smem_tile.cuh), so that the L2 serves each line of the
-// cache as one request; the others stay padded (swizzled, the ShortQuery tiles' softcap and
-// ALiBi variants at W = 128 and 192 and the W = 192 Decode tile's ALiBi one spilled 4-16
-// bytes: the swizzle's address arithmetic in every ldmatrix; W = 64's Decode tile compiled
-// spill-free swizzled and is not yet measured so; W = 32 and 96 rows are not whole 128-byte
-// segments).
+// (sm_86/89: 99 KB), 32-key blocks (16 at W = 256) on 2 warps. The Decode tiles of W = 64
+// and 128 keep their K / V stages swizzled (smem_tile.cuh), so that the L2 serves each line
+// of the cache as one request; the others stay padded (swizzled, the ShortQuery tiles' softcap
+// and ALiBi variants at W = 128 and 192 and the W = 192 Decode tile's ALiBi one spilled 4-16
+// bytes: the swizzle's address arithmetic in every ldmatrix; W = 32 and 96 rows are not whole
+// 128-byte segments).
 template <int W>
 struct KvcacheTilePlan {
-  using Decode = ForwardTileShape<W, 16, 64, 4, W / 16, 3, 4, W == 128>;
+  using Decode = ForwardTileShape<W, 16, 64, 4, W / 16, 3, 4, W % 64 == 0>;
   using ShortQuery = ForwardTileShape<W, 32, 64, 2, W / 16, 3>;
   using Primary = ForwardTileShape<W, 64, 64, 4>;
   using Fallback = ForwardTileShape<W, 32, 32, 2>;
