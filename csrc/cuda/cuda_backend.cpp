@@ -89,6 +89,11 @@ DeviceLimits device_limits(const at::Tensor& q) {
                         "reading the compute capability");
       check_cuda_status(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
                         "reading the compute capability");
+      int memory_khz = 0, bus_bits = 0;
+      if (cudaDeviceGetAttribute(&memory_khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+          cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess)
+        read.dram_bytes_per_s = 2.0 * memory_khz * 1e3 * bus_bits / 8;
+      (void)cudaGetLastError();  // an attribute this device lacks leaves only its estimate unset
 #ifdef FLASHATTN_BUILD_SM90A
       read.hopper_kernels = major == 9 && minor == 0;  // sm_90a code runs on 9.0 only
 #endif

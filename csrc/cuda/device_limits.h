@@ -13,6 +13,9 @@ enum class ForwardScheduler { kAuto, kStatic, kPersistent };
 struct DeviceLimits {
   int max_smem_per_block;  // opt-in limit (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes
   int num_sms;
+  // Peak DRAM bandwidth, bytes/s (memory clock x bus width x 2 transfers per clock); 0 where
+  // the device does not say.
+  double dram_bytes_per_s;
   // The Hopper kernels run: an sm_90 device, a build with sm_90a code, and
   // FLASHATTN_DISABLE_HOPPER_KERNELS not set (it selects the sm_80 kernels, for comparison).
   bool hopper_kernels;

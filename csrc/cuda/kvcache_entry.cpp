@@ -171,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
   // A dense chunk runs no split kernel: no partials.
   p.num_splits = dense_chunk ? 0
                              : kvcache_num_splits(static_cast<int>(opts.num_splits), p.batch, p.tile_heads,
-                                                  p.packed_rows, p.seqlen_k, opts.paged(), tile, limits.num_sms);
+                                                  p.packed_rows, p.seqlen_k, opts.paged(), tile, limits);
   const at::Tensor out_partial = at::empty({p.num_splits, sizes.batch, tile_heads, packed_rows, sizes.head_dim},
                                            q.options().dtype(at::kFloat));
   const at::Tensor lse_partial =

@@ -26,16 +26,19 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
 // captured CUDA graph stays right when cache_seqlens changes): `requested` > 0 is taken
 // (at most one split per key block of the cache's capacity, at most 128); 0 keeps one
 // split when the tiles already fill the device, else takes the fewest splits (each at
-// least four key blocks long) within 5 % of the least modelled time. The model: a call
+// least two key blocks long) within 5 % of the least modelled time. The model: a call
 // lasts as long as its busiest SM, which reads its thread blocks' key blocks (plus 2 for
 // a block's start and end) in waves of as many as it holds, at a rate that grows with the
-// bytes the wave's blocks have in flight up to the SM's share of DRAM, reached at about
-// 75 KB (decoding, H200, 2026-12-04: one d 128 block with 70 KB in flight read 7 % slower
-// than two; d 256 blocks with 17 KB each needed four). A block of a paged cache counts
-// a fifth less in flight: alone on its SM it read 15-18 % slower than on a contiguous cache
-// (its page lookups, 31 % more instructions), two per SM as fast (2026-12-04).
+// bytes the wave's blocks have in flight up to the SM's share of DRAM. That share is
+// reached at the bytes the SM's share of the peak bandwidth delivers in one DRAM latency
+// (Little's law), about 2 us: 75 KB on the H200 (2026-12-04: one d 128 block with 70 KB in
+// flight read 7 % slower than two; d 256 blocks with 17 KB each needed four), 52 KB on
+// the H100 (2026-12-07: d 64 blocks with 32 KB each read fastest two per SM, not three).
+// A block of a paged cache counts a fifth less in flight: alone on its SM it read 15-18 %
+// slower than on a contiguous cache (its page lookups, 31 % more instructions), two per SM
+// as fast (2026-12-04).
 int kvcache_num_splits(int requested, int batch, int tile_heads, int packed_rows, int cache_rows, bool paged,
-                       const KvcacheTileInfo& tile, int num_sms);
+                       const KvcacheTileInfo& tile, const DeviceLimits& limits);
 
 // Rotary embedding and the packed-GQA copy of q; the new rows into the cache.
 cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,
