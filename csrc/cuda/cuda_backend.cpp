@@ -93,7 +93,8 @@ DeviceLimits device_limits(const at::Tensor& q) {
       if (cudaDeviceGetAttribute(&memory_khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
           cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess)
         read.dram_bytes_per_s = 2.0 * memory_khz * 1e3 * bus_bits / 8;
-      (void)cudaGetLastError();  // an attribute this device lacks leaves only its estimate unset
+      else
+        (void)cudaGetLastError();  // a device that does not say leaves only the split model's estimate unset
 #ifdef FLASHATTN_BUILD_SM90A
       read.hopper_kernels = major == 9 && minor == 0;  // sm_90a code runs on 9.0 only
 #endif
