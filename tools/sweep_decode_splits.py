@@ -3,7 +3,8 @@ model's choice (num_splits=0) is from the best fixed `num_splits`, per shape.
 
 One query token, 32 query heads, bf16, a random contiguous (batch, keys, KV heads, d) cache;
 each call timed as replays of a CUDA graph (bench_common.measure_graph_replays), GB/s of K/V
-read. cuDNN (SDPA) runs on the same values stored head-major. One line per shape:
+read. cuDNN (bench_common's sdpa_cudnn peer) runs on the same values stored head-major. One
+line per shape:
 
     python3 tools/sweep_decode_splits.py --head-dims 128 64 > splits.txt
 
@@ -14,8 +15,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_common as bc  # noqa: E402
@@ -39,12 +38,9 @@ def sweep_shape(d, hkv, batch, keys, splits, device, cfg, gen):
         q, k, v, cache_seqlens=seqlens, softmax_scale=scale, num_splits=s), device, cfg) for s in [0] + splits}
     q_h, k_h, v_h = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     del k, v
-
-    def cudnn(_):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q_h, k_h, v_h, scale=scale, enable_gqa=hkv != QUERY_HEADS)
-
-    return ours, gbps(kv_bytes, cudnn, device, cfg)
+    (cudnn,) = bc.build_impls(["sdpa_cudnn"])
+    with torch.no_grad(), cudnn.context():
+        return ours, gbps(kv_bytes, lambda _: cudnn.forward(q_h, k_h, v_h, False, scale), device, cfg)
 
 
 def main():
