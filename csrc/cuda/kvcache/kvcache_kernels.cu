@@ -29,8 +29,9 @@ int kvcache_num_splits(int requested, int batch, int tile_heads, int packed_rows
   const int64_t slots = int64_t(num_sms) * tile.blocks_per_sm;
   const int max_splits = std::min(kMaxSplits, key_blocks / 2);
   if (tiles == 0 || tiles * 5 >= slots * 4 || max_splits <= 1) return 1;
-  // The latency fitted on the H200's 75 KB (4.9 TB/s peak over 132 SMs); a device that does
-  // not report its bandwidth is taken as one.
+  // The latency fitted on the H200's 75 KB at its data sheet's 4.9 TB/s over 132 SMs (it
+  // reports 4.8 TB/s, a 6016-bit bus: 73 KB); a device that does not report its bandwidth is
+  // taken as one.
   constexpr double kBlockStartEnd = 2.0, kDramLatencySeconds = 2.06e-6, kUnreportedSaturatingBytes = 75.0 * 1024,
                    kPagedInFlightShare = 0.8;
   const double sm_saturating_bytes = limits.dram_bytes_per_s > 0

@@ -21,7 +21,9 @@ namespace flashattn {
 // from shared memory or computes rows another one also computes, as in cuDNN's decoding
 // kernel (16 rows, 128 keys, 4 warps); against the 32-row, 2-warp tile it read 1-3 % more
 // at d 128 (one build, A/B, 2026-12-04; W = 64 and 192 were timed only together with that
-// day's other decoding changes, RESULTS.md).
+// day's other decoding changes, RESULTS.md). 128-key blocks (cuDNN's) were slower at W = 128
+// (196 KB of stages, one block per SM: 0.82-0.996 x on the H200) and mixed at W = 64 (H200
+// -2 to +3 % past 32k keys, -6 to -9 % at 4k; H100 not better; 2026-12-07).
 // ShortQuery (packed rows <= 32: a few queries per head, or 32 query heads per KV head)
 // keeps that 32-row tile on 2 warps with three 64-key stages. Primary (longer q: chunked
 // prefill) keeps 64-row tiles, which re-read K/V for fewer row blocks (W = 192, 256:

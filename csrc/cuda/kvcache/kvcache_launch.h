@@ -31,7 +31,7 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
 // a block's start and end) in waves of as many as it holds, at a rate that grows with the
 // bytes the wave's blocks have in flight up to the SM's share of DRAM. That share is
 // reached at the bytes the SM's share of the peak bandwidth delivers in one DRAM latency
-// (Little's law), about 2 us: 75 KB on the H200 (2026-12-04: one d 128 block with 70 KB in
+// (Little's law), about 2 us: 73-75 KB on the H200 (2026-12-04: one d 128 block with 70 KB in
 // flight read 7 % slower than two; d 256 blocks with 17 KB each needed four), 52 KB on
 // the H100 (2026-12-07: d 64 blocks with 32 KB each read fastest two per SM, not three).
 // A block of a paged cache counts a fifth less in flight: alone on its SM it read 15-18 %
