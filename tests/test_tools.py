@@ -1,5 +1,6 @@
 """The developer tools that run without a GPU: tools/ncu_hotspots.py on a small source page
-laid out as Nsight Compute writes it (--page source --csv --print-source sass)."""
+laid out as Nsight Compute writes it (--page source --csv --print-source sass), and
+tools/compare_runs.py on the four runs of an A/B comparison as the benchmarks write them."""
 
 import csv
 import pathlib
@@ -70,3 +71,34 @@ def test_ncu_hotspots_regions_group_samples_by_how_often_the_code_ran(tmp_path):
                                                  ["16", "x", "3", "instructions", "8.0", "%"]]
     runs = lines[lines.index("runs of equal count with 5.0 % or more:") + 1:]
     assert len(runs) == 1 and runs[0].split()[:6] == ["2-", "3", "128", "x", "2", "instructions"]
+
+
+def write_decode_runs(tmp_path, gbps):
+    """Four runs of bench_decode.py's decode.csv: gbps[run] = {(impl, batch): GB/s}; a point
+    that a run skipped has status 'skipped'."""
+    columns = ["dtype", "batch", "kv_len", "nheads", "nheads_kv", "head_dim", "impl", "status", "kv_gbps"]
+    for run, points in gbps.items():
+        (tmp_path / run).mkdir()
+        with open(tmp_path / run / "decode.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            for (impl, batch), value in points.items():
+                writer.writerow(dict(dtype="bf16", batch=batch, kv_len=32768, nheads=32, nheads_kv=8, head_dim=128,
+                                     impl=impl, status="ok" if value else "skipped", kv_gbps=value or ""))
+
+
+def test_compare_runs_merges_the_four_runs_per_point(tmp_path):
+    write_decode_runs(tmp_path, {
+        "A1": {("ours", 1): 1000.0, ("ours", 8): 3000.0, ("sdpa_cudnn", 1): 2000.0},
+        "A2": {("ours", 1): 1100.0, ("ours", 8): 3000.0, ("sdpa_cudnn", 1): 2000.0},
+        "B1": {("ours", 1): 1260.0, ("ours", 8): 3300.0, ("sdpa_cudnn", 1): 2000.0},
+        "B2": {("ours", 1): 1260.0, ("ours", 8): None, ("sdpa_cudnn", 1): 2000.0},
+    })
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "compare_runs.py"), str(tmp_path),
+                           "--bench", "decode"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    # Batch 8 was skipped in B2: no row. Batch 1: A 1050, B 1260 -> 1.200; noise 100 / 1050.
+    assert rows[1] == ["128", "ours", "8", "1", "32768", "|", "1000", "1100", "1260", "1260", "|", "1.200", "0.095"]
+    assert rows[2][:2] == ["128", "sdpa_cudnn"] and rows[2][-2:] == ["1.000", "0.000"]
+    assert rows[3] == ["B/A", "from", "1.000", "to", "1.200", "over", "2", "points"]

@@ -19,7 +19,7 @@
 # COMPARE_PREV, COMPARE_ARGS (the compare stage: a copy of an earlier commit, made here with
 # `git archive <commit> | (mkdir -p .prev_tree && tar x -C .prev_tree)`, which the build stage
 # then builds in place beside this tree, MAX_JOBS shared; tools/compare_builds.sh's
-# bench_attention.py arguments).
+# benchmark arguments; BENCH=decode compares bench_decode.py's runs instead of the dense grid).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
