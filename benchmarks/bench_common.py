@@ -350,24 +350,33 @@ def measure_graph_replays(fn: Callable[[Any], Any], sets: Sequence[Any], device:
     """
     if not is_cuda(device):
         raise NotImplementedError("CUDA-graph timing needs a CUDA device")
+    graph, calls = capture_calls(fn, sets, device, cfg.warmup)
+    reps = _reps(cfg, _cuda_event_times(lambda _: graph.replay(), 1, device)[0])
+    times = [t / calls for t in _cuda_event_times(lambda _: graph.replay(), reps, device)]
+    del graph
+    return Timing(statistics.median(times), min(times), reps, len(sets))
+
+
+def capture_calls(fn: Callable[[Any], Any], sets: Sequence[Any], device: torch.device, warmup: int,
+                  min_calls: int = 16) -> tuple[torch.cuda.CUDAGraph, int]:
+    """A CUDA graph of fn(set) on each set in turn, at least min_calls calls (whole rounds
+    of the sets), after `warmup` eager calls, and replayed once; returns it and its calls.
+
+    At least 16 calls per graph: a replay's own start (several microseconds) must not weigh
+    on a call of a hundred."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
-        for i in range(max(cfg.warmup, 1)):
+        for i in range(max(warmup, 1)):
             fn(sets[i % len(sets)])
     torch.cuda.current_stream(device).wait_stream(side)
-    # At least 16 calls per graph: a replay's own start (several microseconds) must not
-    # weigh on a call of a hundred.
-    calls = len(sets) * math.ceil(16 / len(sets))
+    calls = len(sets) * math.ceil(min_calls / len(sets))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
             fn(sets[i % len(sets)])
     graph.replay()
-    reps = _reps(cfg, _cuda_event_times(lambda _: graph.replay(), 1, device)[0])
-    times = [t / calls for t in _cuda_event_times(lambda _: graph.replay(), reps, device)]
-    del graph
-    return Timing(statistics.median(times), min(times), reps, len(sets))
+    return graph, calls
 
 
 def _reps(cfg: TimingConfig, t_est_ms: float) -> int:

@@ -1,11 +1,15 @@
 """The developer tools that run without a GPU: tools/ncu_hotspots.py on a small source page
-laid out as Nsight Compute writes it (--page source --csv --print-source sass), and
-tools/compare_runs.py on the four runs of an A/B comparison as the benchmarks write them."""
+laid out as Nsight Compute writes it (--page source --csv --print-source sass),
+tools/compare_runs.py on the four runs of an A/B comparison as the benchmarks write them, and
+tools/decode_timeline.py's reading of a profiler trace."""
 
 import csv
+import importlib.util
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
@@ -102,3 +106,43 @@ def test_compare_runs_merges_the_four_runs_per_point(tmp_path):
     assert rows[1] == ["128", "ours", "8", "1", "32768", "|", "1000", "1100", "1260", "1260", "|", "1.200", "0.095"]
     assert rows[2][:2] == ["128", "sdpa_cudnn"] and rows[2][-2:] == ["1.000", "0.000"]
     assert rows[3] == ["B/A", "from", "1.000", "to", "1.200", "over", "2", "points"]
+
+
+def load_decode_timeline():
+    spec = importlib.util.spec_from_file_location("decode_timeline", REPO_ROOT / "tools" / "decode_timeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_timeline_cuts_a_trace_into_calls():
+    timeline_tool = load_decode_timeline()
+    # Two replays of a graph of three calls; a call: the attention kernel (8 us), then the
+    # combine (2 us), which starts 0.5 us before the attention kernel ends; the next call
+    # 1 us after the combine; each replay starts with a kernel of its own (1 us), its first call
+    # 5 us after that.
+    attention = "void flashattn::kvcache_forward_kernel<__nv_bfloat16, flashattn::Shape<128>>(flashattn::Params)"
+    events, t = [], 100.0
+    for _ in range(2):
+        events.append(dict(cat="kernel", name="fill", ts=t, dur=1.0))
+        t += 6.0
+        for _ in range(3):
+            events.append(dict(cat="kernel", name=attention, ts=t, dur=8.0))
+            events.append(dict(cat="kernel", name="combine", ts=t + 7.5, dur=2.0))
+            t += 10.5
+    events.append(dict(cat="cuda_runtime", name="cudaGraphLaunch", ts=90.0, dur=3.0))
+    kernels = timeline_tool.kernel_events({"traceEvents": events[::-1]})
+    assert [k.start_us for k in kernels] == sorted(k.start_us for k in kernels) and len(kernels) == 14
+    timeline = timeline_tool.call_timeline(kernels, calls=6)
+    assert timeline.dropped == 2 and timeline.calls == 6
+    assert [s.name for s in timeline.slots] == [attention, "combine"]
+    assert [s.duration_us for s in timeline.slots] == [8.0, 2.0]
+    # The attention kernel's gaps: 1 us within a replay (4 of 5), 7 us across.
+    assert [s.gap_us for s in timeline.slots] == [1.0, -0.5]
+    assert timeline.period_us == 10.5 and timeline.busy_us == 9.5 and timeline.idle_us == 1.0
+    assert timeline_tool.short_name(attention) == "kvcache_forward_kernel"
+    # One call's kernels in the other order: no pattern.
+    swapped = list(kernels)
+    swapped[1], swapped[2] = swapped[1]._replace(name="combine"), swapped[2]._replace(name=attention)
+    with pytest.raises(ValueError, match="do not repeat"):
+        timeline_tool.call_timeline(swapped, calls=6)
