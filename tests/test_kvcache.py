@@ -442,9 +442,12 @@ def test_long_chunks_run_the_dense_kernel(case_name, dense):
 @pytest.mark.gpu
 @needs_cuda_kernel
 @pytest.mark.parametrize("paged", (False, True), ids=("dense", "paged"))
-def test_cuda_graph_decode_step(paged):
+@pytest.mark.parametrize("num_splits", (0, 1, 3))
+def test_cuda_graph_decode_step(paged, num_splits):
     """One decode step (append k/v + attention) captured in a CUDA graph and replayed with new
-    cache_seqlens values (and new q, k, v), each replay checked against the reference."""
+    cache_seqlens values (and new q, k, v), each replay checked against the reference. With
+    splits, each replay's prepare kernel zeroes the split counters again (every tile's last
+    split merges it)."""
     case = KvcacheCase("graph", batch=3, nheads=8, nheads_kv=2, head_dim=128, capacity=256,
                        page_size=64 if paged else None, rotary_dim=64)
     dtype = torch.bfloat16
@@ -452,7 +455,7 @@ def test_cuda_graph_decode_step(paged):
     kwargs = static.func_kwargs(case)
 
     def step():
-        return flash_attn_with_kvcache(static.q, static.k_cache, static.v_cache, **kwargs,
+        return flash_attn_with_kvcache(static.q, static.k_cache, static.v_cache, **kwargs, num_splits=num_splits,
                                        return_softmax_lse=True)
 
     stream = torch.cuda.Stream()
