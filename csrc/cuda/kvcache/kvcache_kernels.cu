@@ -9,7 +9,6 @@
 #include "cuda/common/kernel_launch.cuh"
 #include "cuda/kvcache/kvcache_launch.h"
 #include "cuda/kvcache/prepare_kernel.cuh"
-#include "cuda/kvcache/split_merge.cuh"
 
 namespace flashattn {
 namespace {

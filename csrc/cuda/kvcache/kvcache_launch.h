@@ -27,6 +27,9 @@ struct KvcacheTileInfo {
 template <int W>
 KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
 
+// The most splits a call takes (a split's partial rows cost fp32 O and lse per row).
+constexpr int kMaxSplits = 128;
+
 // The splits of the key blocks for a call whose shapes are these (never its values, so a
 // captured CUDA graph stays right when cache_seqlens changes): `requested` > 0 is taken
 // (at most one split per key block of the cache's capacity, at most 128); 0 keeps one

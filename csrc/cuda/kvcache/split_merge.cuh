@@ -23,8 +23,6 @@
 
 namespace flashattn {
 
-constexpr int kMaxSplits = 128;
-
 // Whether this block is the last of its tile's splits to count itself, after every thread
 // of it stored its partial rows (all threads call it). After the barrier, one thread's fence
 // before the count makes the block's rows visible device-wide before any block can see the
