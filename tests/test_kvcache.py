@@ -445,9 +445,8 @@ def test_long_chunks_run_the_dense_kernel(case_name, dense):
 @pytest.mark.parametrize("num_splits", (0, 1, 3))
 def test_cuda_graph_decode_step(paged, num_splits):
     """One decode step (append k/v + attention) captured in a CUDA graph and replayed with new
-    cache_seqlens values (and new q, k, v), each replay checked against the reference. With
-    splits, each replay's prepare kernel zeroes the split counters again (every tile's last
-    split merges it)."""
+    cache_seqlens values (and new q, k, v), each replay checked against the reference; one
+    split, and splits merged by the combine kernel."""
     case = KvcacheCase("graph", batch=3, nheads=8, nheads_kv=2, head_dim=128, capacity=256,
                        page_size=64 if paged else None, rotary_dim=64)
     dtype = torch.bfloat16

@@ -38,19 +38,13 @@ struct KvcacheFwdParams : AttentionFwdParams {
 
   // Split-KV: split s of a tile takes the s-th of num_splits equal runs of the key
   // blocks the tile sees; it writes O normalised by its own row sums and its lse
-  // (-inf where it saw no key), and the tile's last split to finish merges them by
-  // log-sum-exp (cuda/kvcache/split_merge.cuh).
+  // (-inf where it saw no key), which the combine kernel merges by log-sum-exp.
   int num_splits;
-  float* out_partial;   // (num_splits, batch, tile_heads, packed_rows, head_dim)
-  float* lse_partial;   // (num_splits, batch, tile_heads, packed_rows)
-  int* split_counters;  // (batch, tile_heads, row blocks) splits finished, zeroed by the prepare kernel; nullptr with one split
-  // q's packed copy or the cache's new rows come from the prepare kernel (launched just
-  // before, the attention kernel a dependent launch of it): the attention kernel waits for
-  // it before its first read.
-  bool reads_prepared_rows;
+  float* out_partial;  // (num_splits, batch, tile_heads, packed_rows, head_dim)
+  float* lse_partial;  // (num_splits, batch, tile_heads, packed_rows)
 };
 
-// The new rows of a call, the rotary embedding and the split counters, for the prepare kernel.
+// The new rows of a call and the rotary embedding, for the prepare kernel.
 struct KvcachePrepareParams {
   const void* q;  // (batch, seqlen_q, nheads, head_dim) with q_strides
   TensorStrides q_strides;
@@ -66,8 +60,6 @@ struct KvcachePrepareParams {
   bool rotary_interleaved;  // pairs (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX)
   bool rotate_q_per_position;  // causal / windowed: query i at cache_seqlens + i; else all at cache_seqlens
   const int* cache_seqlens;  // rows already in the cache, or nullptr (then no new rows)
-  int* split_counters;       // KvcacheFwdParams::split_counters, zeroed here
-  int64_t num_split_counters;
 };
 
 }  // namespace flashattn

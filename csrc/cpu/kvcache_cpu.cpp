@@ -10,7 +10,7 @@
 //      the mask and the ALiBi distances shifted so that they are the whole sequence's
 //      (split_problem); the parts are merged by log-sum-exp (merge_splits), the learnable
 //      sink joining there. This is the split-KV decomposition a CUDA kernel runs for decode,
-//      and merge_splits is what its merge of the splits must compute.
+//      and merge_splits is what its combine step must compute.
 // Partial results are kept in the accumulation dtype (fp32; fp64 for fp64 inputs), as the
 // CUDA kernels keep theirs in fp32, and out is rounded to q's dtype once, after the merge.
 #include <ATen/ATen.h>

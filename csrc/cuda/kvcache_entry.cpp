@@ -1,9 +1,7 @@
-// CUDA flash_attn_with_kvcache (attention_kvcache_forward): checks, then two launches on
-// the current stream: prepare (rotary, packed-GQA q, new rows into the cache, the split
-// counters zeroed; not launched when there is nothing to do) and the attention kernel of
-// q's head-dim tile, whose splits write partials that each tile's last split merges into
-// out and lse; or, for a long chunk on a contiguous cache, prepare and the dense forward
-// kernel.
+// CUDA flash_attn_with_kvcache (attention_kvcache_forward): checks, then three launches on
+// the current stream: prepare (rotary, packed-GQA q, new rows into the cache), the
+// attention kernel of q's head-dim tile into split-KV partials, and the combine; or, for
+// a long chunk on a contiguous cache, prepare and the dense forward kernel.
 // Nothing here depends on tensor values (the number of splits and every size come from
 // shapes), so a decode step can be captured in a CUDA graph and replayed with new
 // cache_seqlens.
@@ -37,19 +35,18 @@ struct KvcacheAttentionLauncher {
   const KvcacheFwdParams& params;
   DeviceLimits limits;
   cudaStream_t stream;
-  bool after_prepare;
 
   template <int W>
   cudaError_t launch() const {
-    // The sink joins in the merge of the splits, once per row, and there is no dropout: the
+    // The sink joins in the combine kernel, once per row, and there is no dropout: the
     // logit's modifiers only (the dispatch's other cases never run).
     return dispatch_score_mod(backward_score_mod(params),
                               [&](auto mod) { return launch_variant<W, logit_mod(mod())>(); });
   }
   template <int W, ScoreMod kMod>
   cudaError_t launch_variant() const {
-    return params.is_bf16 ? launch_kvcache_attention<__nv_bfloat16, W, kMod>(params, limits, stream, after_prepare)
-                          : launch_kvcache_attention<__half, W, kMod>(params, limits, stream, after_prepare);
+    return params.is_bf16 ? launch_kvcache_attention<__nv_bfloat16, W, kMod>(params, limits, stream)
+                          : launch_kvcache_attention<__half, W, kMod>(params, limits, stream);
   }
 };
 
@@ -181,14 +178,6 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
       at::empty({p.num_splits, sizes.batch, tile_heads, packed_rows}, q.options().dtype(at::kFloat));
   p.out_partial = out_partial.data_ptr<float>();
   p.lse_partial = lse_partial.data_ptr<float>();
-  // A counter per tile (batch entry, tile head, row block) of any tile plan, which the prepare
-  // kernel zeroes.
-  at::Tensor split_counters;
-  if (p.num_splits > 1) {
-    const int64_t tiles = sizes.batch * tile_heads * ((packed_rows + kKvcacheMinTileRows - 1) / kKvcacheMinTileRows);
-    split_counters = at::empty({tiles}, q.options().dtype(at::kInt));
-    p.split_counters = split_counters.data_ptr<int>();
-  }
 
   KvcachePrepareParams prep{};
   prep.q = q.data_ptr();
@@ -210,21 +199,16 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_forward_cuda(FLASHATTN_KVCA
     prep.rotary_interleaved = opts.rotary_interleaved;
     prep.rotate_q_per_position = rotary_q_positions_advance(opts, sizes.capacity);
   }
-  if (p.split_counters != nullptr) {
-    prep.split_counters = p.split_counters;
-    prep.num_split_counters = split_counters.numel();
-  }
-  bool prepared = false;
-  check_cuda_status(launch_kvcache_prepare(p, prep, stream, &prepared), "the KV-cache prepare kernel launch");
-  p.reads_prepared_rows = copy_q || opts.appends();
+  check_cuda_status(launch_kvcache_prepare(p, prep, stream), "the KV-cache prepare kernel launch");
   if (out.numel() == 0) return {out, lse};
   if (dense_chunk) {
     run_dense_chunk(q_read, k_cache, v_cache, out, lse, opts, sizes.seqlen_new, limits, stream);
     return {out, lse};
   }
-  const KvcacheAttentionLauncher launcher{p, limits, stream, prepared};
+  const KvcacheAttentionLauncher launcher{p, limits, stream};
   if (!dispatch_head_dim_tile(p.head_dim, launcher, &status)) fail_head_dim_not_compiled(p.head_dim);
   check_cuda_status(status, "the KV-cache attention kernel launch");
+  check_cuda_status(launch_kvcache_combine(p, stream), "the KV-cache combine kernel launch");
   return {out, lse};
 }
 

@@ -1,4 +1,4 @@
-// The element-type dispatch of the prepare kernel, and the split heuristic.
+// The element-type dispatch of the prepare and combine kernels, and the split heuristic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "cuda/common/kernel_launch.cuh"
+#include "cuda/kvcache/combine_kernel.cuh"
 #include "cuda/kvcache/kvcache_launch.h"
 #include "cuda/kvcache/prepare_kernel.cuh"
 
@@ -56,12 +57,10 @@ int kvcache_num_splits(int requested, int batch, int tile_heads, int packed_rows
 }
 
 cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,
-                                   cudaStream_t stream, bool* launched) {
+                                   cudaStream_t stream) {
   const int64_t rows = (prepare.q_packed != nullptr ? int64_t(attn.batch) * attn.seqlen_q * attn.nheads_q : 0) +
                        (prepare.cache_seqlens != nullptr ? int64_t(attn.batch) * prepare.seqlen_new * attn.nheads_kv : 0);
-  // Blocks for the rows, and at least one to zero the split counters.
-  const int64_t blocks = std::max(blocks_for_rows(rows), std::min<int64_t>(prepare.num_split_counters, 1));
-  *launched = blocks > 0;
+  const int64_t blocks = blocks_for_rows(rows);
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   if (attn.is_bf16)
@@ -69,6 +68,21 @@ cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePr
   else
     kvcache_prepare_kernel<__half><<<static_cast<unsigned>(blocks), 32 * kRowsPerBlock, 0, stream>>>(attn, prepare);
   return cudaGetLastError();
+}
+
+cudaError_t launch_kvcache_combine(const KvcacheFwdParams& params, cudaStream_t stream) {
+  const int64_t rows = int64_t(params.batch) * params.tile_heads * params.packed_rows;
+  if (rows == 0) return cudaSuccess;
+  if (params.num_splits > kMaxSplits || params.head_dim > kCombineMaxHeadDim || rows > INT_MAX)
+    return cudaErrorInvalidValue;
+  const auto launch = [&](auto element) {
+    using Element = decltype(element);
+    const auto kernel = params.head_dim <= 64    ? kvcache_combine_kernel<Element, 1>
+                        : params.head_dim <= 128 ? kvcache_combine_kernel<Element, 2>
+                                                 : kvcache_combine_kernel<Element, 4>;
+    return launch_on_flat_grid(kernel, rows, 32 * kCombineWarps, 0, stream, params, LaunchOrder::kDependent);
+  };
+  return params.is_bf16 ? launch(__nv_bfloat16{}) : launch(__half{});
 }
 
 }  // namespace flashattn

@@ -98,23 +98,21 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows) {
 
 template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
-                                     cudaStream_t stream, bool after_prepare) {
+                                     cudaStream_t stream) {
   return with_kvcache_tile<KvcacheVariantPlan<W, kMod != ScoreMod::kNone>>(limits, params.packed_rows, [&](auto shape) {
     using Shape = decltype(shape);
-    static_assert(Shape::kBlockM >= kKvcacheMinTileRows, "the split counters are allocated for tiles of 16 rows or more");
     if (Shape::kSmemBytes > limits.max_smem_per_block) return cudaErrorInvalidConfiguration;
     return launch_on_flat_grid(kvcache_forward_kernel<Element, Shape, kMod>,
                                KvcacheBlock::grid_blocks(params, Shape::kBlockM), Shape::kThreads,
-                               Shape::kSmemBytes, stream, params,
-                               after_prepare ? LaunchOrder::kDependent : LaunchOrder::kAfterPrevious);
+                               Shape::kSmemBytes, stream, params);
   });
 }
 
-#define FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, MOD)                                                     \
-  template cudaError_t launch_kvcache_attention<__nv_bfloat16, W, ScoreMod::MOD>(                         \
-      const KvcacheFwdParams&, const DeviceLimits&, cudaStream_t, bool);                                  \
-  template cudaError_t launch_kvcache_attention<__half, W, ScoreMod::MOD>(const KvcacheFwdParams&,        \
-                                                                        const DeviceLimits&, cudaStream_t, bool);
+#define FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, MOD)                                                         \
+  template cudaError_t launch_kvcache_attention<__nv_bfloat16, W, ScoreMod::MOD>(const KvcacheFwdParams&,      \
+                                                                               const DeviceLimits&, cudaStream_t); \
+  template cudaError_t launch_kvcache_attention<__half, W, ScoreMod::MOD>(const KvcacheFwdParams&,             \
+                                                                        const DeviceLimits&, cudaStream_t);
 #define FLASHATTN_INSTANTIATE_KVCACHE(W)                              \
   template KvcacheTileInfo kvcache_tile_info<W>(const DeviceLimits&, int); \
   FLASHATTN_INSTANTIATE_KVCACHE_VARIANT(W, kNone)                     \

@@ -1,8 +1,7 @@
 // The launches of a flash_attn_with_kvcache call, as the torch-side code sees them: the
-// prepare kernel, the attention kernel of one head-dim tile width (whose tiles' last splits
-// merge the splits), and the choice of the number of splits. Template definitions:
-// kvcache_launch.cuh, compiled only in the generated instantiations; the rest in
-// kvcache_kernels.cu.
+// prepare kernel, the attention kernel of one head-dim tile width, the combine kernel,
+// and the choice of the number of splits. Template definitions: kvcache_launch.cuh,
+// compiled only in the generated instantiations; the rest in kvcache_kernels.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,10 +12,6 @@
 
 namespace flashattn {
 
-// The fewest packed rows of any tile of the plans (kvcache_launch.cuh): the most tiles a
-// call can have, and split counters.
-constexpr int kKvcacheMinTileRows = 16;
-
 // The tile the attention kernel of width W runs on this device for this many packed rows
 // (a query row of each query head of a KV head's group), how many of its thread blocks
 // an SM holds at once, and how many bytes of K and V one of them has in flight while it
@@ -26,9 +21,6 @@ struct KvcacheTileInfo {
 };
 template <int W>
 KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
-
-// The most splits a call takes (a split's partial rows cost fp32 O and lse per row).
-constexpr int kMaxSplits = 128;
 
 // The splits of the key blocks for a call whose shapes are these (never its values, so a
 // captured CUDA graph stays right when cache_seqlens changes): `requested` > 0 is taken
@@ -48,17 +40,17 @@ constexpr int kMaxSplits = 128;
 int kvcache_num_splits(int requested, int batch, int tile_heads, int packed_rows, int cache_rows, bool paged,
                        const KvcacheTileInfo& tile, const DeviceLimits& limits);
 
-// Rotary embedding and the packed-GQA copy of q; the new rows into the cache; the split
-// counters zeroed. `launched`: whether there was anything to do (else nothing was launched).
+// Rotary embedding and the packed-GQA copy of q; the new rows into the cache.
 cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,
-                                   cudaStream_t stream, bool* launched);
+                                   cudaStream_t stream);
 
-// The attention of the packed queries against the cache into out and lse, through the
-// splits' partial outputs; kMod: kNone, kSoftcap, kBias or kSoftcapBias (ALiBi; the sink
-// joins in the merge). `after_prepare`: launched as a dependent of the prepare kernel just
-// launched on the stream (else in plain stream order).
+// The attention of the packed queries against the cache, into the partial outputs; kMod:
+// kNone, kSoftcap, kBias or kSoftcapBias (ALiBi; the sink joins in the combine).
 template <typename Element, int W, ScoreMod kMod>
 cudaError_t launch_kvcache_attention(const KvcacheFwdParams& params, const DeviceLimits& limits,
-                                     cudaStream_t stream, bool after_prepare);
+                                     cudaStream_t stream);
+
+// The partials merged into out and lse.
+cudaError_t launch_kvcache_combine(const KvcacheFwdParams& params, cudaStream_t stream);
 
 }  // namespace flashattn

@@ -1,16 +1,13 @@
 // Before the KV-cache attention: each query row rotated (rotary embedding) and written
 // into the packed-GQA layout the attention kernel reads (where q is not read in place),
-// each new key / value row (the key rotated) written into the cache at its position, and
-// the split counters zeroed. One warp per row. The attention kernel is launched as its
-// dependent, so its blocks start at once and wait for this kernel only where they read
-// what it writes.
+// and each new key / value row (the key rotated) written into the cache at its position.
+// One warp per row.
 #pragma once
 
 #include <cstdint>
 
 #include "common/kvcache_params.h"
 #include "common/sequence_info.h"
-#include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/mma_primitives.cuh"
 
 namespace flashattn {
@@ -51,11 +48,8 @@ __device__ __forceinline__ void rotate_row(Element* dst, const Element* src, int
 template <typename Element>
 __global__ void kvcache_prepare_kernel(const __grid_constant__ KvcacheFwdParams attn,
                                        const __grid_constant__ KvcachePrepareParams p) {
-  allow_dependent_launch();
-  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = thread; i < p.num_split_counters; i += int64_t(gridDim.x) * blockDim.x) p.split_counters[i] = 0;
   const int lane = threadIdx.x % 32;
-  const int64_t row = thread / 32;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t q_rows = p.q_packed != nullptr ? int64_t(attn.batch) * attn.seqlen_q * attn.nheads_q : 0;
   const int64_t new_rows = p.cache_seqlens != nullptr ? int64_t(attn.batch) * p.seqlen_new * attn.nheads_kv : 0;
   const int head_dim = attn.head_dim;

@@ -3,16 +3,14 @@
 // and V are read once for every query head that shares them (but in ALiBi calls, whose
 // tiles are one query head each: common/kvcache_params.h), runs the forward main loop
 // (forward_mainloop.cuh) over its split of the cache's key blocks, contiguous or paged,
-// and writes fp32 partial O and lse, which the tile's last split to finish merges and
-// unpacks into out and lse (kvcache/split_merge.cuh). A decoding tile's warps split each key
-// block (key_split_merge.cuh).
+// and writes fp32 partial O and lse for the combine kernel to merge and unpack. A decoding
+// tile's warps split each key block (key_split_merge.cuh).
 #pragma once
 
 #include "common/kvcache_params.h"
 #include "cuda/common/dependent_launch.cuh"
 #include "cuda/common/forward_epilogue.cuh"
 #include "cuda/kvcache/kvcache_block.cuh"
-#include "cuda/kvcache/split_merge.cuh"
 #include "cuda/sm80/forward_mainloop.cuh"
 #include "cuda/sm80/key_split_merge.cuh"
 
@@ -30,7 +28,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
   const CacheSequence& seq = blk.seq;
   const Element* q_ptr = static_cast<const Element*>(params.q) + blk.batch * params.q_strides.batch +
-                         KvcacheBlock::tile_head(params, Shape::kBlockM, blockIdx.x) * params.q_strides.head +
+                         KvcacheBlock::tile_head(params, Shape::kBlockM) * params.q_strides.head +
                          int64_t(blk.m_begin) * params.q_strides.row;
   const Element* k_cache = static_cast<const Element*>(params.k);
   const Element* v_cache = static_cast<const Element*>(params.v);
@@ -78,35 +76,24 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     load_cache_tile(kv_smem + KVTile::kBytes, v_cache, params.v_strides, n0, page);
   };
   const ForwardSmem<Shape> tile_smem{q_smem};
-  if (params.reads_prepared_rows) wait_for_previous_kernel();
   forward_prologue<Shape>(tile_smem, load_q, load_kv_block, blk.n_block_first, blk.n_block_last, {});
   ForwardRowState<Shape> state;
   forward_mainloop<Element, Shape>(
       tile_smem, load_kv_block, blk.mask,
       // ALiBi's slope is the tile head's, a query head's (kvcache_params.h).
-      [&] {
-        return ScoreTransform<kMod>(params, blk.batch, KvcacheBlock::tile_head(params, Shape::kBlockM, blockIdx.x));
-      },
+      [&] { return ScoreTransform<kMod>(params, blk.batch, KvcacheBlock::tile_head(params, Shape::kBlockM)); },
       [](auto&, int, int) {}, blk.m_begin,
       blk.n_block_first, blk.n_block_last, {}, state);
+  allow_dependent_launch();  // the combine's blocks may take the SM slots of the finished ones
 
   static_assert(KeySplitMergeLayout<Shape>::kBytes <= Shape::kStages * 2 * KVTile::kBytes,
                 "the merge reuses the K/V stages");
-  // The tile's coordinates decoded again from the block index: held through the key loop,
-  // they took registers the loop has not got.
-  const int block = block_index_reread();
-  const int m_begin = KvcacheBlock::m_begin_of(params, Shape::kBlockM, block);
-  if (merge_key_split_warps(state, reinterpret_cast<float*>(smem + QTile::kBytes))) {
-    const int64_t partial_row = KvcacheBlock::partial_row_of(params, Shape::kBlockM, block);
-    store_forward_rows<float>(state.acc_o, state.row_max, state.row_sum,
-                              params.out_partial + partial_row * params.head_dim, params.head_dim,
-                              params.lse_partial + partial_row, Shape::warp_row(warp), params.packed_rows - m_begin,
-                              params.head_dim, lane, -INFINITY);
-  }
-  if (!last_split_of_tile(params, KvcacheBlock::tile_of(params, Shape::kBlockM, block))) return;
-  merge_tile_splits<Element, Shape::kThreads>(params, KvcacheBlock::decode_batch(params, Shape::kBlockM, block),
-                                              KvcacheBlock::tile_head(params, Shape::kBlockM, block), m_begin,
-                                              min(Shape::kBlockM, params.packed_rows - m_begin));
+  if (!merge_key_split_warps(state, reinterpret_cast<float*>(smem + QTile::kBytes))) return;
+  const int64_t partial_row = blk.partial_row(params, Shape::kBlockM);
+  store_forward_rows<float>(state.acc_o, state.row_max, state.row_sum,
+                            params.out_partial + partial_row * params.head_dim, params.head_dim,
+                            params.lse_partial + partial_row, Shape::warp_row(warp), blk.valid_rows,
+                            params.head_dim, lane, -INFINITY);
 }
 
 }  // namespace flashattn
