@@ -53,14 +53,13 @@ int kvcache_num_splits(int requested, int batch, int tile_heads, int packed_rows
   for (int splits = 2; splits <= max_splits; ++splits) best = std::min(best, modelled_time(splits));
   int modelled = 1;
   while (modelled < max_splits && modelled_time(modelled) > 1.05 * best) ++modelled;
-  // Short splits, bound by their latency rounds (kvcache_launch.h): as many as the slots hold.
+  // Short splits, bound by their latency rounds (kvcache_launch.h): as many as fill the slots.
   constexpr int kLatencyBoundKeyBlocks = 4;
-  const int64_t slots_per_tile = slots / tiles;
-  if (slots_per_tile < 2) return modelled;
+  const int64_t slots_per_tile = slots / tiles;  // >= 1: tiles < slots here
   const int per_split = static_cast<int>((key_blocks + slots_per_tile - 1) / slots_per_tile);
   const int filling = (key_blocks + per_split - 1) / per_split;
-  return per_split >= 2 && per_split <= kLatencyBoundKeyBlocks && filling <= max_splits ? std::max(modelled, filling)
-                                                                                        : modelled;
+  if (per_split >= 2 && per_split <= kLatencyBoundKeyBlocks && filling <= max_splits) return std::max(modelled, filling);
+  return modelled;
 }
 
 cudaError_t launch_kvcache_prepare(const KvcacheFwdParams& attn, const KvcachePrepareParams& prepare,

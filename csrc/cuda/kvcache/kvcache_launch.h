@@ -37,12 +37,12 @@ KvcacheTileInfo kvcache_tile_info(const DeviceLimits& limits, int packed_rows);
 // A block of a paged cache counts a fifth less in flight: alone on its SM it read 15-18 %
 // slower than on a contiguous cache (its page lookups, 31 % more instructions), two per SM
 // as fast (2026-12-04). Short splits are the exception the model does not see: a split of
-// at most 4 key blocks is bound by the latency of its loads' few rounds (the decoding
-// tiles keep two key blocks in flight), and more blocks on each SM overlap those rounds. Where filling every block slot of the
-// device leaves each split 2-4 key blocks, that count is taken over a smaller one of the
-// model's (H100, fixed counts, 2026-12-07: d 128, batch 1, 8 KV heads, 4k keys 32 splits
-// read 5.6-7 % more than the model's 16; d 64, 32 KV heads, 16 read 6.5-7.3 % more than its
-// 8; no other of 24 shapes from 4k to 128k keys had such a count).
+// at most 4 key blocks is bound by the latency of its loads' few rounds (the decoding tiles
+// keep two key blocks in flight), which more blocks on each SM overlap. Where filling every
+// block slot of the device leaves each split 2-4 key blocks, that count is taken over a
+// smaller one of the model's (H100, fixed counts, 2026-12-07: d 128, batch 1, 8 KV heads,
+// 4k keys: 32 splits read 5.6-7.2 % more than the model's 16; d 64, 32 KV heads: 16 read
+// 6.5-7.3 % more than its 8; no other of 24 shapes from 4k to 128k keys had such a count).
 int kvcache_num_splits(int requested, int batch, int tile_heads, int packed_rows, int cache_rows, bool paged,
                        const KvcacheTileInfo& tile, const DeviceLimits& limits);
 
